@@ -1,0 +1,140 @@
+"""Run a function on N real torch.distributed ranks from a test, with a timeout.
+
+Each rank is a separate process with its own ``init_process_group`` (gloo on
+CPU, NCCL when ``backend="nccl"``). A failure on any rank fails the call with
+that rank's traceback; ranks that hang (e.g. a peer died inside a collective)
+are killed when the timeout expires and named in the error.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+_GRACE_AFTER_FAILURE_S = 10.0
+
+
+class DistributedTestError(RuntimeError):
+    """Raised in the parent when a rank failed or the run timed out."""
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    fn: Callable[..., Any],
+    args: tuple,
+    kwargs: dict,
+    env: Dict[str, str],
+    results: "mp.Queue",
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        value = fn(*args, **kwargs)
+        results.put((rank, "ok", value))
+    except BaseException:  # report everything, including SystemExit from argparse
+        results.put((rank, "error", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 300.0,
+    backend: str = "gloo",
+    env: Optional[Dict[str, str]] = None,
+    **kwargs: Any,
+) -> List[Any]:
+    """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results.
+
+    ``fn`` must be a module-level function (it is pickled under the spawn start
+    method). The start method is ``fork`` unless ``TACO_TEST_START_METHOD`` says
+    otherwise: forking skips the per-rank import of torch and megatron-core.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    ctx = mp.get_context(os.environ.get("TACO_TEST_START_METHOD", "fork"))
+    results: "mp.Queue" = ctx.Queue()
+    port = _free_port()
+    child_env = {"OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, world_size, port, backend, fn, args, kwargs, child_env, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+
+    values: Dict[int, Any] = {}
+    errors: Dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    while len(values) + len(errors) < world_size:
+        remaining = deadline - time.monotonic()
+        if errors:
+            remaining = min(remaining, _GRACE_AFTER_FAILURE_S)
+        if remaining <= 0:
+            break
+        try:
+            rank, status, value = results.get(timeout=min(remaining, 1.0))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            for r in dead:
+                if r not in values and r not in errors:
+                    errors[r] = f"process exited with code {procs[r].exitcode} without a result"
+            continue
+        (values if status == "ok" else errors)[rank] = value
+
+    for proc in procs:
+        proc.join(timeout=0.5 if (errors or len(values) < world_size) else 30)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+
+    if errors:
+        first = next(iter(errors))  # the first failure reported is usually the root cause
+        others = [r for r in errors if r != first]
+        hung = [r for r in range(world_size) if r not in values and r not in errors]
+        extra = (f"; ranks {others} failed after it" if others else "") + (
+            f"; ranks {hung} did not finish" if hung else ""
+        )
+        raise DistributedTestError(f"rank {first} failed{extra}:\n{errors[first]}")
+    if len(values) < world_size:
+        hung = [r for r in range(world_size) if r not in values]
+        raise DistributedTestError(f"timed out after {timeout:.0f}s; ranks {hung} did not finish")
+    return [values[r] for r in range(world_size)]

@@ -1,0 +1,134 @@
+"""Command line of the self-contained trainer (``examples/pretrain_gpt.py``).
+
+Flags use Megatron-LM's names. A ``--config`` YAML supplies defaults (its
+``model`` section is a :class:`ModelShape`, its ``training`` section holds
+flag values with ``_`` for ``-``); flags given on the command line win.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+import yaml
+
+from megatron_taco.training.data import synthetic_batches
+from megatron_taco.training.loop import Trainer, TrainConfig, init_distributed
+from megatron_taco.training.model import ModelShape
+
+
+def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("training")
+    group.add_argument("--config", help="YAML file with a model section and training defaults")
+    group.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=False)
+    group.add_argument("--micro-batch-size", type=int, default=2)
+    group.add_argument("--global-batch-size", type=int, default=None,
+                       help="default: micro-batch-size x data-parallel size")
+    group.add_argument("--train-iters", type=int, default=10)
+    group.add_argument("--lr", type=float, default=1e-3)
+    group.add_argument("--weight-decay", type=float, default=0.0)
+    group.add_argument("--clip-grad", type=float, default=1.0)
+    group.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
+    group.add_argument("--seed", type=int, default=1234)
+    group.add_argument("--log-interval", type=int, default=1)
+    return parser
+
+
+def _apply_config_defaults(parser: argparse.ArgumentParser, argv: List[str]) -> Dict[str, Any]:
+    """Read ``--config`` (if any), set its training values as parser defaults; return its model section."""
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--config")
+    known, _ = pre.parse_known_args(argv)
+    if not known.config:
+        return {}
+    with open(known.config) as f:
+        doc = yaml.safe_load(f) or {}
+    training = doc.get("training", {}) or {}
+    dests = {action.dest for action in parser._actions}
+    unknown = sorted(k for k in training if k not in dests)
+    if unknown:
+        parser.error(f"{known.config}: unknown training keys {unknown}")
+    parser.set_defaults(**training)
+    return doc.get("model", {}) or {}
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = add_training_args(argparse.ArgumentParser(description=__doc__))
+    model = _apply_config_defaults(parser, argv)
+    args = parser.parse_args(argv)
+    if not model:
+        parser.error("--config with a model section is required")
+    try:
+        args.shape = ModelShape.from_dict(model)
+    except (TypeError, ValueError) as exc:
+        parser.error(f"{args.config}: model section: {exc}")
+    return args
+
+
+def _num_microbatches(args: argparse.Namespace, data_parallel: int) -> int:
+    per_step = args.micro_batch_size * data_parallel
+    global_batch = args.global_batch_size or per_step
+    if global_batch % per_step:
+        raise ValueError(
+            f"--global-batch-size {global_batch} is not divisible by --micro-batch-size x "
+            f"data-parallel size = {args.micro_batch_size} x {data_parallel}"
+        )
+    return global_batch // per_step
+
+
+def _log(message: str) -> None:
+    if dist.get_rank() == 0:
+        print(message, flush=True)
+
+
+def main(argv: Optional[List[str]] = None) -> List[float]:
+    args = parse_args(argv)
+    init_distributed()
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    data_parallel = dist.get_world_size() // model_parallel
+    cfg = TrainConfig(
+        shape=args.shape,
+        tensor_parallel=args.tensor_model_parallel_size,
+        pipeline_parallel=args.pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
+        micro_batch_size=args.micro_batch_size,
+        num_microbatches=_num_microbatches(args, max(data_parallel, 1)),
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        clip_grad=args.clip_grad,
+        dtype=args.dtype,
+        seed=args.seed,
+    )
+    trainer = Trainer(cfg)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    _log(
+        f"megatron_taco trainer: world {dist.get_world_size()} TP {cfg.tensor_parallel} "
+        f"PP {cfg.pipeline_parallel} DP {data_parallel} SP {cfg.sequence_parallel} on {device}, "
+        f"{cfg.num_microbatches} micro-batches of {cfg.micro_batch_size} x {cfg.shape.seq_length} tokens"
+    )
+    data = synthetic_batches(cfg.shape.vocab_size, cfg.shape.seq_length, cfg.micro_batch_size,
+                             seed=args.seed, data_parallel_rank=trainer.data_parallel_rank)
+    tokens_per_step = cfg.micro_batch_size * cfg.num_microbatches * data_parallel * cfg.shape.seq_length
+    losses = []
+    try:
+        for step in range(1, args.train_iters + 1):
+            start = time.perf_counter()
+            stats = trainer.train_step(data)
+            elapsed = time.perf_counter() - start
+            losses.append(stats["loss"])
+            if step % args.log_interval == 0 or step == args.train_iters:
+                _log(
+                    f"step {step}/{args.train_iters} | loss {stats['loss']:.4f} | "
+                    f"grad norm {stats['grad_norm']:.3f} | {tokens_per_step / elapsed:.0f} tokens/s"
+                    + (" | skipped" if stats["skipped"] else "")
+                )
+    finally:
+        trainer.close()
+    return losses

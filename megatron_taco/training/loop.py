@@ -1,0 +1,204 @@
+"""A small Megatron-Core training loop: parallel state, GPTModel, DDP, Adam, 1F1B schedule.
+
+Used by ``examples/pretrain_gpt.py`` and the tests. It expects
+``torch.distributed`` to be initialised already (torchrun, or the test harness)
+and runs on CUDA with NCCL when a GPU is present, otherwise on CPU with gloo
+through :mod:`megatron_taco.megatron.cpu_runtime`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from functools import partial
+from typing import Callable, Dict, Iterator, List, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import (
+    DistributedDataParallel,
+    DistributedDataParallelConfig,
+    finalize_model_grads,
+)
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+from megatron_taco.megatron.cpu_runtime import cpu_config_overrides, enable_cpu_runtime
+from megatron_taco.training.model import ModelShape, build_gpt_model, make_transformer_config
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    """What to train and how to lay it out over the ranks."""
+
+    shape: ModelShape
+    tensor_parallel: int = 1
+    pipeline_parallel: int = 1
+    sequence_parallel: bool = False
+    micro_batch_size: int = 2
+    num_microbatches: int = 2
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    clip_grad: float = 1.0
+    dtype: str = "fp32"
+    dropout: float = 0.0
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.sequence_parallel and self.tensor_parallel == 1:
+            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+        for name in ("tensor_parallel", "pipeline_parallel", "micro_batch_size", "num_microbatches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+def init_distributed() -> None:
+    """Initialise torch.distributed from torchrun's environment (NCCL on GPU, gloo on CPU)."""
+    if dist.is_initialized():
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+class Trainer:
+    """Builds the model on this rank and runs optimizer steps with Megatron's schedules."""
+
+    def __init__(self, cfg: TrainConfig, layer_spec: Optional[ModuleSpec] = None) -> None:
+        self.cfg = cfg
+        world = dist.get_world_size()
+        model_parallel = cfg.tensor_parallel * cfg.pipeline_parallel
+        if world % model_parallel:
+            raise ValueError(
+                f"world size {world} is not divisible by TP x PP = {cfg.tensor_parallel} x "
+                f"{cfg.pipeline_parallel}"
+            )
+        on_gpu = torch.cuda.is_available()
+        if not on_gpu:
+            enable_cpu_runtime()
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=cfg.tensor_parallel,
+            pipeline_model_parallel_size=cfg.pipeline_parallel,
+        )
+        model_parallel_cuda_manual_seed(cfg.seed)
+        torch.manual_seed(cfg.seed)
+        self.device = _device()
+        dtype = _DTYPES[cfg.dtype]
+        self.config = make_transformer_config(
+            cfg.shape,
+            tensor_parallel=cfg.tensor_parallel,
+            pipeline_parallel=cfg.pipeline_parallel,
+            sequence_parallel=cfg.sequence_parallel,
+            params_dtype=dtype,
+            dropout=cfg.dropout,
+            extra=None if on_gpu else cpu_config_overrides(),
+        )
+        module = build_gpt_model(cfg.shape, self.config, layer_spec, seed=cfg.seed).to(self.device)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+        )
+        self.model = DistributedDataParallel(self.config, ddp_config, module)
+        self.optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer="adam",
+                lr=cfg.lr,
+                weight_decay=cfg.weight_decay,
+                clip_grad=cfg.clip_grad,
+                bf16=dtype == torch.bfloat16,
+                fp16=dtype == torch.float16,
+                params_dtype=dtype,
+                use_distributed_optimizer=False,
+            ),
+            [self.model],
+        )
+        self.config.finalize_model_grads_func = finalize_model_grads
+        self.config.no_sync_func = self.model.no_sync
+        self.config.grad_scale_func = self.optimizer.scale_loss
+        self.step_count = 0
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return parallel_state.get_data_parallel_rank()
+
+    def _forward_step(self, data_iterator: Iterator[Dict[str, torch.Tensor]], model: torch.nn.Module):
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in next(data_iterator).items()}
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+        return output, partial(_masked_mean_loss, batch["loss_mask"])
+
+    def train_step(self, data_iterator: Iterator[Dict[str, torch.Tensor]]) -> Dict[str, float]:
+        """One optimizer step over ``num_microbatches``; the loss is returned on every rank."""
+        cfg = self.cfg
+        self.model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = get_forward_backward_func()(
+            forward_step_func=self._forward_step,
+            data_iterator=data_iterator,
+            model=[self.model],
+            num_microbatches=cfg.num_microbatches,
+            seq_length=cfg.shape.seq_length,
+            micro_batch_size=cfg.micro_batch_size,
+            forward_only=False,
+        )
+        updated, grad_norm, _ = self.optimizer.step()
+        self.step_count += 1
+        loss = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if parallel_state.is_pipeline_last_stage():
+            loss += sum(float(item["lm loss"]) for item in losses) / len(losses)
+        # Average over data-parallel replicas, then share the last stage's value with every stage.
+        dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
+        loss /= parallel_state.get_data_parallel_world_size()
+        dist.broadcast(
+            loss,
+            src=parallel_state.get_pipeline_model_parallel_last_rank(),
+            group=parallel_state.get_pipeline_model_parallel_group(),
+        )
+        return {
+            "loss": float(loss),
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "skipped": not updated,
+        }
+
+    def close(self) -> None:
+        parallel_state.destroy_model_parallel()
+
+
+def _masked_mean_loss(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask) / mask.sum()
+    # clone: the schedule divides the returned loss in place by the number of micro-batches
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def train(
+    cfg: TrainConfig,
+    steps: int,
+    data_iterator: Iterator[Dict[str, torch.Tensor]],
+    layer_spec: Optional[ModuleSpec] = None,
+    log: Optional[Callable[[str], None]] = None,
+) -> List[float]:
+    """Train ``steps`` optimizer steps; return the loss after each (on every rank)."""
+    trainer = Trainer(cfg, layer_spec)
+    try:
+        losses = []
+        for _ in range(steps):
+            stats = trainer.train_step(data_iterator)
+            losses.append(stats["loss"])
+            if log is not None:
+                log(f"step {trainer.step_count} loss {stats['loss']:.6f} grad_norm {stats['grad_norm']:.4f}")
+        return losses
+    finally:
+        trainer.close()

@@ -1,0 +1,46 @@
+"""The multi-process harness itself: results, failures and hangs are reported per rank."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_taco.testing.distributed import DistributedTestError, run_distributed
+
+
+def _rank_sum():
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return dist.get_rank(), dist.get_world_size(), float(t)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_all_ranks_run_and_return(world):
+    results = run_distributed(_rank_sum, world, timeout=60)
+    assert [r[0] for r in results] == list(range(world))
+    assert all(r[1] == world for r in results)
+    assert all(r[2] == world * (world + 1) / 2 for r in results)
+
+
+def _fail_on_rank_one():
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank one")
+    dist.barrier()  # rank 0 hangs here: its peer is gone
+
+
+def test_failure_on_one_rank_reports_its_traceback():
+    start = time.monotonic()
+    with pytest.raises(DistributedTestError, match="rank 1 failed") as info:
+        run_distributed(_fail_on_rank_one, 2, timeout=60)
+    assert "boom on rank one" in str(info.value)
+    assert time.monotonic() - start < 45, "a failed rank must not wait for the full timeout"
+
+
+def _hang():
+    time.sleep(60)
+
+
+def test_hang_times_out_and_names_ranks():
+    with pytest.raises(DistributedTestError, match=r"timed out after 3s; ranks \[0, 1\]"):
+        run_distributed(_hang, 2, timeout=3)
