@@ -1,0 +1,156 @@
+"""Codec settings, FP8 formats and the wire format of one compressed message.
+
+A message is one contiguous uint8 buffer::
+
+    [ header (16 B) | codes (n_groups * G bytes) | scales (n_groups * scale_bytes) ]
+
+The header lets a receiver refuse a buffer made with other settings instead of
+decoding garbage::
+
+    bytes 0-3   magic b"TACO"
+    byte  4     wire-format version
+    byte  5     transform (low nibble) | fp8 format (high nibble)
+    byte  6     log2(group size)
+    byte  7     scale storage
+    bytes 8-15  element count, little-endian uint64
+
+Codes are FP8 bit patterns (the last group is zero-padded; padding never
+reaches the output). Scales are per group: ``dual`` stores (s_q, s_a) as two
+fp32, ``fp32`` stores one folded fp32 scale, ``e8m0`` one biased power-of-two
+exponent byte.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from typing import Dict, Tuple
+
+import torch
+
+HEADER_BYTES = 16
+WIRE_VERSION = 1
+MAGIC = b"TACO"
+
+
+@dataclasses.dataclass(frozen=True)
+class FP8Format:
+    name: str
+    torch_dtype: torch.dtype
+    max_value: float
+    mantissa_bits: int
+    min_normal_exp: int  # exponent of the smallest normal number
+    code_id: int
+
+
+FP8_FORMATS: Dict[str, FP8Format] = {
+    "e4m3": FP8Format("e4m3", torch.float8_e4m3fn, 448.0, 3, -6, 0),
+    "e5m2": FP8Format("e5m2", torch.float8_e5m2, 57344.0, 2, -14, 1),
+}
+TRANSFORMS = {"ash": 0, "none": 1}
+SCALE_MODES = {"dual": (2, 8), "fp32": (1, 4), "e8m0": (3, 1)}  # name: (wire id, bytes per group)
+GROUP_SIZES = (32, 64, 128, 256)
+SUPPORTED_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+NAN_CODE = 0x7F  # a NaN bit pattern in both E4M3 (fn) and E5M2
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecSettings:
+    """Validated settings of one codec. ``transform="none"`` is per-group FP8 without Hadamard."""
+
+    group_size: int = 128
+    fmt: str = "e4m3"
+    transform: str = "ash"
+    scales: str = "fp32"
+    eps: float = 1e-6
+
+    def __post_init__(self) -> None:
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {self.group_size!r}")
+        if self.fmt not in FP8_FORMATS:
+            raise ValueError(f"fmt must be one of {sorted(FP8_FORMATS)}, got {self.fmt!r}")
+        if self.transform not in TRANSFORMS:
+            raise ValueError(f"transform must be one of {sorted(TRANSFORMS)}, got {self.transform!r}")
+        if self.scales not in SCALE_MODES:
+            raise ValueError(f"scales must be one of {sorted(SCALE_MODES)}, got {self.scales!r}")
+        if self.scales == "dual" and self.transform != "ash":
+            raise ValueError("scales='dual' stores the adaptive scale of transform='ash'; use 'fp32' or 'e8m0'")
+
+    @property
+    def format(self) -> FP8Format:
+        return FP8_FORMATS[self.fmt]
+
+    @property
+    def scale_bytes(self) -> int:
+        return SCALE_MODES[self.scales][1]
+
+    def settings_bytes(self) -> bytes:
+        """Bytes 4-7 of the header: everything a decoder must agree on."""
+        return bytes(
+            [
+                WIRE_VERSION,
+                TRANSFORMS[self.transform] | (self.format.code_id << 4),
+                self.group_size.bit_length() - 1,
+                SCALE_MODES[self.scales][0],
+            ]
+        )
+
+    def describe(self) -> str:
+        return f"group_size={self.group_size} fmt={self.fmt} transform={self.transform} scales={self.scales}"
+
+    def num_groups(self, numel: int) -> int:
+        return -(-numel // self.group_size)
+
+    def compressed_nbytes(self, numel: int) -> int:
+        groups = self.num_groups(numel)
+        return HEADER_BYTES + groups * (self.group_size + self.scale_bytes)
+
+    def layout(self, numel: int) -> Tuple[int, int, int]:
+        """(number of groups, byte offset of codes, byte offset of scales) in a message."""
+        groups = self.num_groups(numel)
+        return groups, HEADER_BYTES, HEADER_BYTES + groups * self.group_size
+
+
+def _settings_from_bytes(raw: bytes) -> str:
+    version, packed, log2_group, scale_id = raw
+    if version != WIRE_VERSION:
+        return f"wire version {version}"
+    transform = {v: k for k, v in TRANSFORMS.items()}.get(packed & 0xF, f"?{packed & 0xF}")
+    fmt = {f.code_id: f.name for f in FP8_FORMATS.values()}.get(packed >> 4, f"?{packed >> 4}")
+    scales = {v[0]: k for k, v in SCALE_MODES.items()}.get(scale_id, f"?{scale_id}")
+    return f"group_size={1 << log2_group} fmt={fmt} transform={transform} scales={scales}"
+
+
+class WireFormatError(ValueError):
+    """A compressed buffer does not match what the decoder expects."""
+
+
+def header_bytes(settings: CodecSettings, numel: int) -> bytes:
+    return MAGIC + settings.settings_bytes() + struct.pack("<Q", numel)
+
+
+def header_words(settings: CodecSettings, numel: int) -> Tuple[int, int, int, int]:
+    """The header as four little-endian int32 words (what the compress kernel stores)."""
+    return struct.unpack("<4i", header_bytes(settings, numel))
+
+
+def check_header(settings: CodecSettings, buf: torch.Tensor, numel: int) -> None:
+    """Raise :class:`WireFormatError` naming both settings when ``buf`` was not made by ``settings``."""
+    if buf.dtype != torch.uint8 or buf.dim() != 1:
+        raise WireFormatError(f"a compressed message is a 1-D uint8 tensor, got {buf.dtype} of shape {tuple(buf.shape)}")
+    expected = settings.compressed_nbytes(numel)
+    if buf.numel() < HEADER_BYTES:
+        raise WireFormatError(f"buffer of {buf.numel()} bytes is shorter than the {HEADER_BYTES}-byte header")
+    raw = bytes(buf[:HEADER_BYTES].cpu().tolist())
+    if raw[:4] != MAGIC:
+        raise WireFormatError(f"not a TACO message (magic {raw[:4]!r})")
+    if raw[4:8] != settings.settings_bytes():
+        raise WireFormatError(
+            f"codec settings mismatch: message was compressed with {_settings_from_bytes(raw[4:8])}, "
+            f"decoder uses {settings.describe()}"
+        )
+    (sent_numel,) = struct.unpack("<Q", raw[8:16])
+    if sent_numel != numel:
+        raise WireFormatError(f"message holds {sent_numel} elements, decoder expects {numel}")
+    if buf.numel() != expected:
+        raise WireFormatError(f"message is {buf.numel()} bytes, expected {expected} for {numel} elements")

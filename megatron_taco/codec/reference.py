@@ -1,0 +1,135 @@
+"""Pure-torch reference of the TACO codec: the ground truth the Triton kernels reproduce bit for bit.
+
+Every floating-point step is written in an explicit order so that a kernel
+can execute the same IEEE fp32 operations: sums are pairwise trees over
+adjacent elements, the Walsh-Hadamard transform uses the constant-geometry
+butterfly (each stage maps ``v`` to ``[v[0::2] + v[1::2] | v[0::2] - v[1::2]]``,
+which after log2(G) stages is the Sylvester-ordered H_G), divisions are
+tensor/tensor (IEEE-rounded) and nothing feeds a multiply into an add.
+
+Per group of G values x (fp32), with M the FP8 maximum (448 for E4M3):
+
+    ASH, scales="dual" (the paper's form):
+        s_a = clamp(M / sqrt(sum(x^2)/G + eps), 1e-3, 1e3)    adaptive scale
+        y   = H(x) * (s_a / sqrt(G))                             = H(s_a x)/sqrt(G)
+        s_q = max|y| / M ;  q = fp8(clamp(y / s_q, -M, M))       stores (s_q, s_a)
+        x'  = H(q * s_q) / sqrt(G) / s_a
+    ASH, scales="fp32": s_a cancels against s_q, so it is folded:
+        y = H(x) / sqrt(G) ;  s = max|y| / M ;  q = fp8(y / s)   stores s
+        x' = H(q * s) / sqrt(G)
+    scales="e8m0": as "fp32" with s rounded up to a power of two 2^e (q = y * 2^-e
+        is exact); stores the byte e + 127.
+    transform="none": y = x (per-group FP8 without Hadamard).
+
+A group holding NaN or Inf gets a NaN scale and NaN codes, so it decodes to
+NaN (never to silent zeros); an all-zero group decodes to exact zeros.
+"""
+
+from __future__ import annotations
+
+from typing import Tuple
+
+import torch
+
+from megatron_taco.codec.format import NAN_CODE, CodecSettings
+
+ADAPTIVE_SCALE_MIN = 1e-3
+ADAPTIVE_SCALE_MAX = 1e3
+E8M0_MIN_EXP = -126
+E8M0_MAX_EXP = 126
+
+
+def pairwise_sum(v: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim (a power of two) by a tree of adjacent pairs."""
+    while v.shape[-1] > 1:
+        v = v[..., 0::2] + v[..., 1::2]
+    return v[..., 0]
+
+
+def fwht(v: torch.Tensor) -> torch.Tensor:
+    """Unnormalised Walsh-Hadamard transform over the last dim, constant-geometry butterflies."""
+    for _ in range(v.shape[-1].bit_length() - 1):
+        even, odd = v[..., 0::2], v[..., 1::2]
+        v = torch.cat([even + odd, even - odd], dim=-1)
+    return v
+
+
+def _f32(value: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
+
+
+def inv_sqrt_group(group_size: int) -> float:
+    """1/sqrt(G) rounded to fp32 (exact for G = 64, 256)."""
+    return float(torch.tensor(group_size, dtype=torch.float64).rsqrt().float())
+
+
+def _nonfinite_groups(y: torch.Tensor) -> torch.Tensor:
+    """True for groups with a NaN or Inf (their |y| sum is non-finite)."""
+    return ~torch.isfinite(pairwise_sum(y.abs()))
+
+
+def _ceil_pow2_exponent(need: torch.Tensor) -> torch.Tensor:
+    """Smallest e with 2^e >= need (need >= 0 finite fp32), clamped to the E8M0 range we use."""
+    bits = need.view(torch.int32)
+    exponent = ((bits >> 23) & 0xFF) - 127
+    exponent = exponent + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+    return exponent.clamp(E8M0_MIN_EXP, E8M0_MAX_EXP)
+
+
+def _pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """2^exponent as fp32 for exponents in the normal range, built from bits (exact)."""
+    return ((exponent + 127) << 23).to(torch.int32).view(torch.float32)
+
+
+def encode_groups(x: torch.Tensor, settings: CodecSettings) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Encode fp32 groups ``x`` of shape [n, G]; return (codes uint8 [n, G], scales).
+
+    Scales are fp32 [n, 2] (s_q, s_a) for "dual", fp32 [n, 1] for "fp32", uint8 [n, 1] for "e8m0".
+    """
+    fmt = settings.format
+    fp8_max = _f32(fmt.max_value, x)
+    group = settings.group_size
+    if settings.transform == "ash":
+        if settings.scales == "dual":
+            mean_square = pairwise_sum(x * x) * (1.0 / group)  # 1/G is a power of two: exact
+            rms = torch.sqrt(mean_square + _f32(settings.eps, x))
+            s_a = (fp8_max / rms).clamp(ADAPTIVE_SCALE_MIN, ADAPTIVE_SCALE_MAX)
+            y = fwht(x) * (s_a * _f32(inv_sqrt_group(group), x))[:, None]
+        else:
+            y = fwht(x) * _f32(inv_sqrt_group(group), x)
+    else:
+        y = x
+    nonfinite = _nonfinite_groups(y)
+    amax = torch.where(nonfinite, torch.zeros_like(y[:, 0]), y.abs().amax(dim=-1))
+    nan = _f32(float("nan"), x)
+    if settings.scales == "e8m0":
+        exponent = _ceil_pow2_exponent(amax / fp8_max)
+        q = y * _pow2(-exponent)[:, None]
+        stored = torch.where(nonfinite, 255, exponent + 127).to(torch.uint8)[:, None]
+    else:
+        s_q = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
+        s_q = torch.where(nonfinite, nan, s_q)
+        q = y / s_q[:, None]
+        stored = torch.stack([s_q, s_a], dim=-1) if settings.scales == "dual" else s_q[:, None]
+    codes = q.clamp(-fmt.max_value, fmt.max_value).to(fmt.torch_dtype).view(torch.uint8)
+    codes = torch.where(nonfinite[:, None], torch.full_like(codes, NAN_CODE), codes)
+    return codes, stored
+
+
+def decode_scale(scales: torch.Tensor, settings: CodecSettings) -> torch.Tensor:
+    """Per-group multiplier of the codes: s_q, the folded scale, or 2^e (NaN for byte 255)."""
+    if settings.scales == "e8m0":
+        exponent = scales[:, 0].to(torch.int32)
+        return torch.where(exponent == 255, float("nan"), _pow2(exponent.clamp(1, 254) - 127))
+    return scales[:, 0]
+
+
+def decode_groups(codes: torch.Tensor, scales: torch.Tensor, settings: CodecSettings) -> torch.Tensor:
+    """Decode [n, G] codes and their scales back to fp32 groups."""
+    y = codes.view(settings.format.torch_dtype).float() * decode_scale(scales, settings)[:, None]
+    if settings.transform == "none":
+        return y
+    x = fwht(y) * _f32(inv_sqrt_group(settings.group_size), y)
+    if settings.scales == "dual":
+        x = x / scales[:, 1:2]
+    return x

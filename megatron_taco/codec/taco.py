@@ -1,0 +1,171 @@
+"""``TacoCodec``: the public TACO codec (Adaptive Scale-Hadamard + dual-scale FP8).
+
+    codec = TacoCodec(group_size=128, fmt="e4m3", transform="ash")
+    buf = codec.compress(x)                    # uint8 1-D: the whole wire message
+    y = codec.decompress(buf, x.shape, x.dtype)
+
+On CUDA tensors the fused Triton kernels run; elsewhere the torch reference
+(:mod:`megatron_taco.codec.reference`) does. ``backend`` forces either one
+("triton" also runs on CPU tensors under ``TRITON_INTERPRET=1``). Both produce
+the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence, Union
+
+import torch
+
+from megatron_taco.codec import reference
+from megatron_taco.codec.format import (
+    SUPPORTED_INPUT_DTYPES,
+    CodecSettings,
+    check_header,
+    header_bytes,
+)
+
+BACKENDS = ("auto", "torch", "triton")
+DEFAULT_SCALES = "fp32"
+
+
+def _check_input(x: torch.Tensor) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"TacoCodec compresses torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in SUPPORTED_INPUT_DTYPES:
+        raise TypeError(f"TacoCodec accepts float32, bfloat16 and float16 tensors, got {x.dtype}")
+
+
+def _check_output_dtype(dtype: torch.dtype) -> None:
+    if dtype not in SUPPORTED_INPUT_DTYPES:
+        raise TypeError(f"TacoCodec decodes to float32, bfloat16 or float16, got {dtype}")
+
+
+class TacoCodec:
+    """Compress float tensors to one FP8 wire message and back.
+
+    Args:
+        group_size: G in {32, 64, 128, 256}: elements sharing one scale and one Hadamard.
+        fmt: "e4m3" (max 448, default) or "e5m2" (max 57344).
+        transform: "ash" (adaptive scale + Hadamard) or "none" (per-group FP8 only).
+        scales: "fp32" (one folded scale per group, default), "dual" (the paper's
+            s_q and s_a, 8 bytes per group) or "e8m0" (one power-of-two byte).
+        backend: "auto" (Triton kernels on CUDA tensors, torch otherwise), "torch", "triton".
+    """
+
+    def __init__(
+        self,
+        group_size: int = 128,
+        fmt: str = "e4m3",
+        transform: str = "ash",
+        scales: str = DEFAULT_SCALES,
+        backend: str = "auto",
+    ) -> None:
+        self.settings = CodecSettings(group_size=group_size, fmt=fmt, transform=transform, scales=scales)
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.backend = backend
+        self._headers: dict = {}
+
+    def __repr__(self) -> str:
+        return f"TacoCodec({self.settings.describe()}, backend={self.backend})"
+
+    @property
+    def group_size(self) -> int:
+        return self.settings.group_size
+
+    def compressed_nbytes(self, numel: int) -> int:
+        """Size in bytes of the message for ``numel`` elements (header included)."""
+        return self.settings.compressed_nbytes(numel)
+
+    def compression_ratio(self, numel: int, dtype: torch.dtype = torch.bfloat16) -> float:
+        """Uncompressed bytes over message bytes."""
+        return numel * torch.empty((), dtype=dtype).element_size() / self.compressed_nbytes(numel)
+
+    def _use_triton(self, x: torch.Tensor) -> bool:
+        return self.backend == "triton" or (self.backend == "auto" and x.is_cuda)
+
+    def _header(self, numel: int, device: torch.device) -> torch.Tensor:
+        key = (numel, device)
+        if key not in self._headers:
+            raw = header_bytes(self.settings, numel)
+            self._headers[key] = torch.tensor(list(raw), dtype=torch.uint8, device=device)
+        return self._headers[key]
+
+    def compress(self, x: torch.Tensor, out: Union[torch.Tensor, None] = None) -> torch.Tensor:
+        """Encode ``x`` (any shape, contiguous or not) into one uint8 message (written to ``out`` if given)."""
+        _check_input(x)
+        numel = x.numel()
+        nbytes = self.compressed_nbytes(numel)
+        if out is None:
+            out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
+        elif out.dtype != torch.uint8 or out.numel() != nbytes:
+            raise ValueError(f"out must be a uint8 tensor of {nbytes} elements")
+        flat = x.reshape(-1)
+        if self._use_triton(x):
+            from megatron_taco.kernels import taco_kernels
+
+            taco_kernels.compress(flat, out, self.settings)
+            return out
+        groups, codes_at, scales_at = self.settings.layout(numel)
+        padded = torch.zeros(groups * self.group_size, dtype=torch.float32, device=x.device)
+        padded[:numel] = flat
+        codes, scales = reference.encode_groups(padded.view(groups, self.group_size), self.settings)
+        out[:codes_at] = self._header(numel, x.device)
+        out[codes_at:scales_at] = codes.reshape(-1)
+        out[scales_at:] = scales.contiguous().view(torch.uint8).reshape(-1)
+        return out
+
+    def _decode_flat(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
+        groups, codes_at, scales_at = self.settings.layout(numel)
+        codes = buf[codes_at:scales_at].view(groups, self.group_size)
+        scale_dtype = torch.uint8 if self.settings.scales == "e8m0" else torch.float32
+        per_group = self.settings.scale_bytes // torch.empty((), dtype=scale_dtype).element_size()
+        scales = buf[scales_at:].view(scale_dtype).view(groups, per_group)
+        return reference.decode_groups(codes, scales, self.settings).reshape(-1)[:numel]
+
+    def decompress(
+        self,
+        buf: torch.Tensor,
+        shape: Sequence[int],
+        dtype: torch.dtype = torch.float32,
+        validate: bool = True,
+    ) -> torch.Tensor:
+        """Decode a message into a tensor of ``shape`` and ``dtype``.
+
+        ``validate`` checks the header on the host (a device sync on GPU); the
+        collectives check settings once per process group instead.
+        """
+        _check_output_dtype(dtype)
+        numel = math.prod(shape)
+        if validate:
+            check_header(self.settings, buf, numel)
+        if self._use_triton(buf):
+            from megatron_taco.kernels import taco_kernels
+
+            return taco_kernels.decompress_sum(buf.view(1, -1), numel, dtype, self.settings).view(shape)
+        return self._decode_flat(buf, numel).to(dtype).view(shape)
+
+    def decompress_sum(
+        self,
+        bufs: torch.Tensor,
+        shape: Sequence[int],
+        dtype: torch.dtype = torch.float32,
+        validate: bool = True,
+    ) -> torch.Tensor:
+        """Decode N messages (rows of a [N, nbytes] uint8 tensor) and sum them in fp32, in row order."""
+        _check_output_dtype(dtype)
+        numel = math.prod(shape)
+        if bufs.dim() != 2:
+            raise ValueError(f"decompress_sum takes a [N, nbytes] uint8 tensor, got shape {tuple(bufs.shape)}")
+        if validate:
+            for row in bufs:
+                check_header(self.settings, row, numel)
+        if self._use_triton(bufs):
+            from megatron_taco.kernels import taco_kernels
+
+            return taco_kernels.decompress_sum(bufs, numel, dtype, self.settings).view(shape)
+        total = torch.zeros(numel, dtype=torch.float32, device=bufs.device)
+        for row in bufs:
+            total = total + self._decode_flat(row, numel)
+        return total.to(dtype).view(shape)

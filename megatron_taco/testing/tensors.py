@@ -1,0 +1,36 @@
+"""Realistic test tensors for codec numerics: the shapes of TP traffic, not just N(0, 1)."""
+
+from __future__ import annotations
+
+from typing import Callable, Dict
+
+import torch
+
+
+def gaussian(shape, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(shape, generator=gen)
+
+
+def student_t(shape, gen: torch.Generator, df: float = 3.0) -> torch.Tensor:
+    """Heavy-tailed: N(0,1) / sqrt(chi2(df)/df)."""
+    normal = torch.randn(shape, generator=gen)
+    chi2 = torch.zeros(shape)
+    for _ in range(int(df)):
+        chi2 += torch.randn(shape, generator=gen) ** 2
+    return normal / torch.sqrt(chi2 / df)
+
+
+def near_zero_with_outlier_channels(shape, gen: torch.Generator) -> torch.Tensor:
+    """Most mass within 1e-3 of zero, a few hidden channels 1000x louder (LLM activations)."""
+    x = torch.randn(shape, generator=gen) * 1e-3
+    hidden = shape[-1]
+    channels = torch.randperm(hidden, generator=gen)[: max(1, hidden // 64)]
+    x[..., channels] = torch.randn(x[..., channels].shape, generator=gen) * 1.0
+    return x
+
+
+DISTRIBUTIONS: Dict[str, Callable] = {
+    "gaussian": gaussian,
+    "student_t3": student_t,
+    "near_zero_outliers": near_zero_with_outlier_channels,
+}
