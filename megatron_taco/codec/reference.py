@@ -4,8 +4,9 @@ Every floating-point step is written in an explicit order so that a kernel
 can execute the same IEEE fp32 operations: sums are pairwise trees over
 adjacent elements, the Walsh-Hadamard transform uses the constant-geometry
 butterfly (each stage maps ``v`` to ``[v[0::2] + v[1::2] | v[0::2] - v[1::2]]``,
-which after log2(G) stages is the Sylvester-ordered H_G), divisions are
-tensor/tensor (IEEE-rounded) and nothing feeds a multiply into an add.
+which after log2(G) stages is the Sylvester-ordered H_G), divisions and
+square roots are IEEE-rounded (computed in float64, rounded once to fp32) and
+nothing feeds a multiply into an add.
 
 Per group of G values x (fp32), with M the FP8 maximum (448 for E4M3):
 
@@ -54,6 +55,16 @@ def fwht(v: torch.Tensor) -> torch.Tensor:
     return v
 
 
+def div_rn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """IEEE-rounded fp32 a / b (via float64: exact before the single rounding to fp32)."""
+    return (a.double() / b.double()).float()
+
+
+def sqrt_rn(a: torch.Tensor) -> torch.Tensor:
+    """IEEE-rounded fp32 sqrt (torch's vectorised fp32 sqrt can miss near-ties by one ulp)."""
+    return torch.sqrt(a.double()).float()
+
+
 def _f32(value: float, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32, device=like.device)
 
@@ -92,8 +103,8 @@ def encode_groups(x: torch.Tensor, settings: CodecSettings) -> Tuple[torch.Tenso
     if settings.transform == "ash":
         if settings.scales == "dual":
             mean_square = pairwise_sum(x * x) * (1.0 / group)  # 1/G is a power of two: exact
-            rms = torch.sqrt(mean_square + _f32(settings.eps, x))
-            s_a = (fp8_max / rms).clamp(ADAPTIVE_SCALE_MIN, ADAPTIVE_SCALE_MAX)
+            rms = sqrt_rn(mean_square + _f32(settings.eps, x))
+            s_a = div_rn(fp8_max, rms).clamp(ADAPTIVE_SCALE_MIN, ADAPTIVE_SCALE_MAX)
             y = fwht(x) * (s_a * _f32(inv_sqrt_group(group), x))[:, None]
         else:
             y = fwht(x) * _f32(inv_sqrt_group(group), x)
@@ -103,13 +114,13 @@ def encode_groups(x: torch.Tensor, settings: CodecSettings) -> Tuple[torch.Tenso
     amax = torch.where(nonfinite, torch.zeros_like(y[:, 0]), y.abs().amax(dim=-1))
     nan = _f32(float("nan"), x)
     if settings.scales == "e8m0":
-        exponent = _ceil_pow2_exponent(amax / fp8_max)
+        exponent = _ceil_pow2_exponent(div_rn(amax, fp8_max))
         q = y * _pow2(-exponent)[:, None]
         stored = torch.where(nonfinite, 255, exponent + 127).to(torch.uint8)[:, None]
     else:
-        s_q = torch.where(amax > 0, amax / fp8_max, torch.ones_like(amax))
+        s_q = torch.where(amax > 0, div_rn(amax, fp8_max), torch.ones_like(amax))
         s_q = torch.where(nonfinite, nan, s_q)
-        q = y / s_q[:, None]
+        q = div_rn(y, s_q[:, None])
         stored = torch.stack([s_q, s_a], dim=-1) if settings.scales == "dual" else s_q[:, None]
     codes = q.clamp(-fmt.max_value, fmt.max_value).to(fmt.torch_dtype).view(torch.uint8)
     codes = torch.where(nonfinite[:, None], torch.full_like(codes, NAN_CODE), codes)
@@ -131,5 +142,5 @@ def decode_groups(codes: torch.Tensor, scales: torch.Tensor, settings: CodecSett
         return y
     x = fwht(y) * _f32(inv_sqrt_group(settings.group_size), y)
     if settings.scales == "dual":
-        x = x / scales[:, 1:2]
+        x = div_rn(x, scales[:, 1:2])
     return x

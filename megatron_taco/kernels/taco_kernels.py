@@ -1,0 +1,258 @@
+"""Fused Triton kernels of the TACO codec: compress, and decompress-and-sum.
+
+They execute the same IEEE fp32 operations, in the same order, as the torch
+reference (:mod:`megatron_taco.codec.reference`), so they write the same bytes:
+
+* sums are pairwise trees over adjacent elements (``_pairwise_sum``);
+* the Walsh-Hadamard transform is the constant-geometry butterfly
+  (``_fwht``): each of the log2(G) stages maps ``v`` to
+  ``[v[0::2] + v[1::2] | v[0::2] - v[1::2]]``;
+* divisions and square roots are IEEE-rounded (``div_rn``, ``sqrt_rn``), and
+  kernels launch with ``enable_fp_fusion=False`` so no multiply is fused
+  into an add;
+* the FP8 cast gets values already rounded to the FP8 grid in fp32
+  (``_round_to_fp8_grid``): Triton's CPU interpreter rounds fp32 -> fp8 wrongly
+  (it loses the carry across a binade and truncates subnormals), and a value
+  that is already on the grid converts exactly everywhere.
+
+One program handles BLOCK_G consecutive groups of G elements: a [BLOCK_G, G]
+tile, loaded once and written once (a single pass over the input).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_taco.codec import reference
+from megatron_taco.codec.format import NAN_CODE, CodecSettings, header_words
+
+_SCALE_MODE_IDS = {"fp32": 0, "dual": 1, "e8m0": 2}
+_TILE_ELEMENTS = 4096  # elements per program: BLOCK_G = _TILE_ELEMENTS // G
+
+
+@triton.jit
+def _pairwise_sum(v, BLOCK_G: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
+    """[BLOCK_G, G] -> [BLOCK_G]: v[2i] + v[2i+1], repeated log2(G) times."""
+    for stage in tl.static_range(LOG2G):
+        v = tl.reshape(v, (BLOCK_G, G >> (stage + 1), 2))
+        even, odd = tl.split(v)
+        v = even + odd
+    return tl.reshape(v, (BLOCK_G,))
+
+
+@triton.jit
+def _fwht(v, BLOCK_G: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
+    """Unnormalised Walsh-Hadamard transform along axis 1 (Sylvester order)."""
+    for _ in tl.static_range(LOG2G):
+        even, odd = tl.split(tl.reshape(v, (BLOCK_G, G // 2, 2)))
+        pairs = tl.join(even + odd, even - odd)  # [BLOCK_G, G/2, 2]
+        v = tl.reshape(tl.permute(pairs, (0, 2, 1)), (BLOCK_G, G))  # [sums | differences]
+    return v
+
+
+@triton.jit
+def _round_to_grid(x, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUBNORMAL_SHIFTER: tl.constexpr):
+    """Round fp32 to the nearest value of a narrower float format (ties to even), keeping the sign.
+
+    Used for FP8 codes and for bf16/fp16 outputs; finite inputs of the target's range only.
+
+    Normal range: round the fp32 mantissa to MANTISSA_BITS with integer arithmetic.
+    Subnormal range: adding SUBNORMAL_SHIFTER (1.5 * 2^k, whose ulp is the FP8
+    subnormal step) makes the fp32 adder round to that step.
+    """
+    DROP: tl.constexpr = 23 - MANTISSA_BITS
+    HALF_MINUS_ONE: tl.constexpr = (1 << (DROP - 1)) - 1
+    KEEP: tl.constexpr = 0xFFFFFFFF ^ ((1 << DROP) - 1)
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    magnitude = bits & 0x7FFFFFFF
+    lsb = (magnitude >> DROP) & 1
+    normal = (magnitude + HALF_MINUS_ONE + lsb) & KEEP
+    ax = magnitude.to(tl.float32, bitcast=True)
+    subnormal = ((ax + SUBNORMAL_SHIFTER) - SUBNORMAL_SHIFTER).to(tl.uint32, bitcast=True)
+    rounded = tl.where(ax < MIN_NORMAL, subnormal, normal)
+    return (rounded | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _compress_kernel(
+    x_ptr, out_ptr, numel, n_groups, scales_offset,
+    head0, head1, head2, head3, eps,
+    G: tl.constexpr, LOG2G: tl.constexpr, BLOCK_G: tl.constexpr,
+    ASH: tl.constexpr, SCALE_MODE: tl.constexpr, IS_E4M3: tl.constexpr,
+    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
+    SUBNORMAL_SHIFTER: tl.constexpr, INV_SQRT_G: tl.constexpr, NAN_BYTE: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid == 0:  # the 16-byte header: magic, settings, element count
+        words = tl.where(tl.arange(0, 4) == 0, head0,
+                tl.where(tl.arange(0, 4) == 1, head1, tl.where(tl.arange(0, 4) == 2, head2, head3)))
+        tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + tl.arange(0, 4), words)
+
+    groups = pid * BLOCK_G + tl.arange(0, BLOCK_G)
+    group_ok = groups < n_groups
+    offsets = groups.to(tl.int64)[:, None] * G + tl.arange(0, G)[None, :]
+    x = tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
+    fp8_max = tl.full((BLOCK_G,), FP8_MAX, tl.float32)
+
+    # Transform: y = H(x) / sqrt(G)  (times s_a in the paper's dual-scale form).
+    s_a = tl.full((BLOCK_G,), 1.0, tl.float32)
+    if ASH:
+        if SCALE_MODE == 1:
+            mean_square = _pairwise_sum(x * x, BLOCK_G, G, LOG2G) * (1.0 / G)
+            rms = tl.sqrt_rn(mean_square + eps)
+            raw = tl.math.div_rn(fp8_max, rms)
+            # clamp, letting NaN through as torch.clamp does (GPU min/max would drop it)
+            s_a = tl.where(raw != raw, raw, tl.minimum(tl.maximum(raw, 1e-3), 1e3))
+            y = _fwht(x, BLOCK_G, G, LOG2G) * (s_a * INV_SQRT_G)[:, None]
+        else:
+            y = _fwht(x, BLOCK_G, G, LOG2G) * INV_SQRT_G
+    else:
+        y = x
+
+    # A group with NaN/Inf has a non-finite |y| sum (max() would skip NaN on GPU).
+    abs_sum = _pairwise_sum(tl.abs(y), BLOCK_G, G, LOG2G)
+    nonfinite = (abs_sum != abs_sum) | (abs_sum == float("inf"))
+    amax = tl.where(nonfinite, 0.0, tl.max(tl.abs(y), axis=1))
+
+    # Quantization scale: s_q = amax / M, or its power-of-two ceiling 2^e for E8M0.
+    if SCALE_MODE == 2:
+        need_bits = tl.math.div_rn(amax, fp8_max).to(tl.int32, bitcast=True)
+        exponent = ((need_bits >> 23) & 0xFF) - 127 + ((need_bits & 0x7FFFFF) != 0).to(tl.int32)
+        exponent = tl.minimum(tl.maximum(exponent, -126), 126)
+        q = y * ((127 - exponent) << 23).to(tl.float32, bitcast=True)[:, None]
+    else:
+        s_q = tl.where(amax > 0, tl.math.div_rn(amax, fp8_max), 1.0)
+        s_q = tl.where(nonfinite, float("nan"), s_q)
+        q = tl.math.div_rn(y, s_q[:, None])
+
+    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    q = _round_to_grid(q, MANTISSA_BITS, MIN_NORMAL, SUBNORMAL_SHIFTER)
+    if IS_E4M3:
+        codes = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        codes = q.to(tl.float8e5).to(tl.uint8, bitcast=True)
+    codes = tl.where(nonfinite[:, None], NAN_BYTE, codes)
+    tl.store(out_ptr + 16 + offsets, codes, mask=group_ok[:, None])
+
+    if SCALE_MODE == 2:
+        stored = tl.where(nonfinite, 255, exponent + 127).to(tl.uint8)
+        tl.store(out_ptr + scales_offset + groups, stored, mask=group_ok)
+    else:
+        scale_ptr = (out_ptr + scales_offset).to(tl.pointer_type(tl.float32))
+        if SCALE_MODE == 1:
+            tl.store(scale_ptr + 2 * groups, s_q, mask=group_ok)
+            tl.store(scale_ptr + 2 * groups + 1, s_a, mask=group_ok)
+        else:
+            tl.store(scale_ptr + groups, s_q, mask=group_ok)
+
+
+@triton.jit
+def _decompress_sum_kernel(
+    bufs_ptr, out_ptr, n_bufs, buf_stride, numel, n_groups, scales_offset,
+    G: tl.constexpr, LOG2G: tl.constexpr, BLOCK_G: tl.constexpr,
+    ASH: tl.constexpr, SCALE_MODE: tl.constexpr, IS_E4M3: tl.constexpr, INV_SQRT_G: tl.constexpr,
+    OUT_MANTISSA_BITS: tl.constexpr, OUT_MIN_NORMAL: tl.constexpr, OUT_SUBNORMAL_SHIFTER: tl.constexpr,
+):
+    """out = sum over r of decode(bufs[r]), accumulated in fp32 in order r = 0, 1, ..."""
+    pid = tl.program_id(0)
+    groups = pid * BLOCK_G + tl.arange(0, BLOCK_G)
+    group_ok = groups < n_groups
+    offsets = groups.to(tl.int64)[:, None] * G + tl.arange(0, G)[None, :]
+    acc = tl.zeros((BLOCK_G, G), tl.float32)
+    buf = bufs_ptr
+    for _ in range(n_bufs):
+        codes = tl.load(buf + 16 + offsets, mask=group_ok[:, None], other=0)
+        if IS_E4M3:
+            y = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            y = codes.to(tl.float8e5, bitcast=True).to(tl.float32)
+        if SCALE_MODE == 2:
+            exponent = tl.load(buf + scales_offset + groups, mask=group_ok, other=127).to(tl.int32)
+            scale = (tl.minimum(tl.maximum(exponent, 1), 254) << 23).to(tl.float32, bitcast=True)
+            scale = tl.where(exponent == 255, float("nan"), scale)
+        else:
+            scale_ptr = (buf + scales_offset).to(tl.pointer_type(tl.float32))
+            stride: tl.constexpr = 2 if SCALE_MODE == 1 else 1
+            scale = tl.load(scale_ptr + stride * groups, mask=group_ok, other=1.0)
+        y = y * scale[:, None]
+        if ASH:
+            x = _fwht(y, BLOCK_G, G, LOG2G) * INV_SQRT_G
+            if SCALE_MODE == 1:
+                s_a = tl.load(scale_ptr + 2 * groups + 1, mask=group_ok, other=1.0)
+                x = tl.math.div_rn(x, s_a[:, None])
+        else:
+            x = y
+        acc += x
+        buf += buf_stride  # pointer arithmetic is 64-bit: no overflow past 2 GiB
+    if OUT_MANTISSA_BITS < 23:  # bf16/fp16 output: round in fp32 first (the interpreter truncates)
+        acc = _round_to_grid(acc, OUT_MANTISSA_BITS, OUT_MIN_NORMAL, OUT_SUBNORMAL_SHIFTER)
+    tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=offsets < numel)
+
+
+def _grid_constants(mantissa_bits: int, min_normal_exp: int, prefix: str = "") -> dict:
+    """Constexprs of ``_round_to_grid`` for a float format (mantissa bits, smallest normal exponent)."""
+    subnormal_step_exp = min_normal_exp - mantissa_bits
+    return {
+        prefix + "MANTISSA_BITS": mantissa_bits,
+        prefix + "MIN_NORMAL": 2.0**min_normal_exp,
+        prefix + "SUBNORMAL_SHIFTER": 1.5 * 2.0 ** (subnormal_step_exp + 23),
+    }
+
+
+_OUTPUT_GRIDS = {torch.float32: (23, -126), torch.bfloat16: (7, -126), torch.float16: (10, -14)}
+
+
+def _fp8_constants(settings: CodecSettings) -> dict:
+    fmt = settings.format
+    return dict(
+        IS_E4M3=fmt.name == "e4m3",
+        FP8_MAX=fmt.max_value,
+        **_grid_constants(fmt.mantissa_bits, fmt.min_normal_exp),
+    )
+
+
+def _common(settings: CodecSettings) -> dict:
+    g = settings.group_size
+    return dict(
+        G=g,
+        LOG2G=g.bit_length() - 1,
+        BLOCK_G=max(1, _TILE_ELEMENTS // g),
+        ASH=settings.transform == "ash",
+        SCALE_MODE=_SCALE_MODE_IDS[settings.scales],
+        INV_SQRT_G=reference.inv_sqrt_group(g),
+    )
+
+
+def _launch_options(x: torch.Tensor) -> dict:
+    return dict(num_warps=8, enable_fp_fusion=False) if x.is_cuda else {}
+
+
+def compress(flat: torch.Tensor, out: torch.Tensor, settings: CodecSettings) -> None:
+    """Write the message of the 1-D tensor ``flat`` (fp32/bf16/fp16) into ``out`` (uint8)."""
+    numel = flat.numel()
+    n_groups, _, scales_offset = settings.layout(numel)
+    common = _common(settings)
+    grid = (max(1, triton.cdiv(n_groups, common["BLOCK_G"])),)
+    _compress_kernel[grid](
+        flat, out, numel, n_groups, scales_offset, *header_words(settings, numel), settings.eps,
+        NAN_BYTE=NAN_CODE, **common, **_fp8_constants(settings), **_launch_options(flat),
+    )
+
+
+def decompress_sum(bufs: torch.Tensor, numel: int, dtype: torch.dtype, settings: CodecSettings) -> torch.Tensor:
+    """Decode the N messages in the rows of ``bufs`` [N, nbytes] and return their fp32 sum as ``dtype``."""
+    n_groups, _, scales_offset = settings.layout(numel)
+    out = torch.empty(numel, dtype=dtype, device=bufs.device)
+    if numel == 0:
+        return out
+    common = _common(settings)
+    grid = (triton.cdiv(n_groups, common["BLOCK_G"]),)
+    _decompress_sum_kernel[grid](
+        bufs, out, bufs.shape[0], bufs.stride(0), numel, n_groups, scales_offset,
+        IS_E4M3=settings.format.name == "e4m3", **common, **_launch_options(bufs),
+        **_grid_constants(*_OUTPUT_GRIDS[dtype], prefix="OUT_"),
+    )
+    return out
