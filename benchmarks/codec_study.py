@@ -1,0 +1,234 @@
+"""Numerics study of the TACO codec, its scale-storage variants and the baselines (CPU, one command).
+
+    python benchmarks/codec_study.py --out benchmarks/results/codec_error.md
+
+Inputs: (a) Gaussian, (b) Student-t (df 3), (c) near-zero mass with outlier
+channels, (d) real TP traffic: the tensors entering the sequence-parallel
+all-gather (inputs of linear_qkv and linear_fc1) and the reduce-scatter
+(partial outputs of linear_proj and linear_fc2) of a small GPT trained with
+TP=2 + SP on real text (Python standard library, byte-level) for some steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+from typing import Dict, List, Tuple
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from megatron_taco.codec import TacoCodec  # noqa: E402
+from megatron_taco.codec.baselines import GroupINT8, PerTensorFP8  # noqa: E402
+from megatron_taco.testing.distributed import run_distributed  # noqa: E402
+from megatron_taco.testing.tensors import DISTRIBUTIONS  # noqa: E402
+from megatron_taco.training.model import ModelShape  # noqa: E402
+
+GROUPS = (32, 64, 128, 256)
+STUDY_MODEL = ModelShape(
+    num_layers=4, hidden_size=256, num_attention_heads=8, ffn_hidden_size=1024, vocab_size=256, seq_length=128
+)
+
+
+def _variants(group: int) -> Dict[str, object]:
+    return {
+        "TACO dual fp32 scales (paper)": TacoCodec(group, scales="dual", backend="torch"),
+        "TACO folded fp32 scale": TacoCodec(group, scales="fp32", backend="torch"),
+        "TACO E8M0 scale": TacoCodec(group, scales="e8m0", backend="torch"),
+        "TACO folded, E5M2": TacoCodec(group, fmt="e5m2", scales="fp32", backend="torch"),
+        "group FP8, no Hadamard": TacoCodec(group, transform="none", scales="fp32", backend="torch"),
+        "group INT8": GroupINT8(group),
+    }
+
+
+def _errors(codec, x: torch.Tensor) -> Tuple[float, float, float, float, float]:
+    """Round-trip metrics: (rel. L2, rel. L2 of the small half, zero-collapse fraction, max err, ratio).
+
+    The small half is the elements with |x| at or below the median |x|: the near-zero
+    mass that uniform grids crush. Zero collapse is the fraction of non-zero inputs
+    that decode to exactly zero.
+    """
+    x = x.float()
+    x_hat = codec.decompress(codec.compress(x), x.shape, torch.float32).double()
+    x64 = x.double()
+    diff = x_hat - x64
+    rel = float(diff.norm() / x64.norm())
+    small = x64.abs() <= x64.abs().median()
+    rel_small = float(diff[small].norm() / x64[small].norm())
+    nonzero = x64 != 0
+    collapse = float(((x_hat == 0) & nonzero).sum() / nonzero.sum())
+    max_err = float(diff.abs().max() / x64.abs().max())
+    ratio = 2 * x.numel() / codec.compressed_nbytes(x.numel())
+    return rel, rel_small, collapse, max_err, ratio
+
+
+def _capture_tp_traffic(steps: int, seed: int):
+    """Rank 0's SP all-gather inputs and reduce-scatter inputs at the last of ``steps`` steps."""
+    from megatron.core.tensor_parallel import layers
+
+    from megatron_taco.training.data import byte_text_batches, stdlib_text_files
+    from megatron_taco.training.loop import TrainConfig, Trainer
+
+    captured: Dict[str, torch.Tensor] = {}
+    current = {"name": None}
+    original_reduce_scatter = layers.reduce_scatter_to_sequence_parallel_region
+
+    def recording_reduce_scatter(tensor, *args, **kwargs):
+        if current["name"]:
+            captured[f"reduce-scatter in, {current['name']}"] = tensor.detach().clone()
+        return original_reduce_scatter(tensor, *args, **kwargs)
+
+    layers.reduce_scatter_to_sequence_parallel_region = recording_reduce_scatter
+    cfg = TrainConfig(STUDY_MODEL, tensor_parallel=2, sequence_parallel=True, micro_batch_size=4,
+                      num_microbatches=1, lr=3e-3, seed=seed)
+    trainer = Trainer(cfg)
+    train_files, _ = stdlib_text_files()
+    data = byte_text_batches(train_files[:400], STUDY_MODEL.seq_length, 4, seed=seed)
+    record = {"on": False}
+    for layer in trainer.model.module.decoder.layers:
+        for name in ("linear_qkv", "linear_fc1", "linear_proj", "linear_fc2"):
+            module = getattr(layer.self_attention if name in ("linear_qkv", "linear_proj") else layer.mlp, name)
+            label = f"layer {layer.layer_number} {name}"
+
+            def pre_hook(mod, inputs, label=label, name=name):
+                current["name"] = label if record["on"] else None
+                if record["on"] and name in ("linear_qkv", "linear_fc1"):
+                    captured[f"all-gather in, {label}"] = inputs[0].detach().clone()
+
+            module.register_forward_pre_hook(pre_hook)
+    losses = []
+    for step in range(steps):
+        record["on"] = step == steps - 1
+        losses.append(trainer.train_step(data)["loss"])
+    trainer.close()
+    layers.reduce_scatter_to_sequence_parallel_region = original_reduce_scatter
+    return captured, losses
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="benchmarks/results/codec_error.md")
+    parser.add_argument("--train-steps", type=int, default=60)
+    parser.add_argument("--seed", type=int, default=1234)
+    args = parser.parse_args()
+
+    gen = torch.Generator().manual_seed(args.seed)
+    synthetic = {name: make((256, 4096), gen) for name, make in DISTRIBUTIONS.items()}
+    print(f"training the study model for {args.train_steps} steps (TP=2 + SP, 2 gloo ranks) ...", flush=True)
+    captured, losses = run_distributed(_capture_tp_traffic, 2, args.train_steps, args.seed, timeout=3600)[0]
+    print(f"loss {losses[0]:.3f} -> {losses[-1]:.3f}; captured {len(captured)} tensors", flush=True)
+    real = {k: captured[k] for k in sorted(captured, key=lambda k: (int(k.split("layer ")[1].split()[0]), k))}
+
+    inputs: Dict[str, torch.Tensor] = {**synthetic, **{f"real: {k}": v for k, v in real.items()}}
+    rows: List[Tuple[str, str, int, float, float, float, float, float]] = []
+    for input_name, x in inputs.items():
+        for group in GROUPS:
+            for variant, codec in _variants(group).items():
+                rows.append((input_name, variant, group, *_errors(codec, x)))
+        rows.append((input_name, "per-tensor FP8 (TE current scaling)", 0, *_errors(PerTensorFP8(), x)))
+
+    _write_report(args, rows, inputs, losses)
+    print(f"wrote {args.out}")
+
+
+def _summary(rows, inputs) -> List[str]:
+    """Mean relative error per (variant, G) over the real traffic tensors and over all inputs."""
+    lines = ["| variant | G | ratio vs bf16 | rel. L2, real TP traffic | rel. L2, synthetic | small-half rel. L2, real | "
+             "small-half rel. L2, synthetic | zero collapse, real | worst rel. L2 |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    keys = sorted({(r[1], r[2]) for r in rows}, key=lambda k: (k[0], k[1]))
+    for variant, group in keys:
+        sel = [r for r in rows if r[1] == variant and r[2] == group]
+        real = [r for r in sel if r[0].startswith("real")]
+        synth = [r for r in sel if not r[0].startswith("real")]
+        mean = lambda rs, i: sum(r[i] for r in rs) / len(rs)  # noqa: E731
+        lines.append(
+            f"| {variant} | {group or '-'} | {sel[0][7]:.3f} | {mean(real, 3):.4f} | {mean(synth, 3):.4f} | "
+            f"{mean(real, 4):.4f} | {mean(synth, 4):.4f} | {100 * mean(real, 5):.2f}% | {max(r[3] for r in sel):.4f} |"
+        )
+    return lines
+
+
+def _mean(rows, variant: str, group: int, column: int, real: bool) -> float:
+    sel = [r[column] for r in rows if r[1] == variant and r[2] == group and r[0].startswith("real") == real]
+    return sum(sel) / len(sel)
+
+
+def _conclusions(rows) -> List[str]:
+    """The default (G, scale storage) and the transform finding, with the numbers behind them."""
+    dual, folded, e8m0 = "TACO dual fp32 scales (paper)", "TACO folded fp32 scale", "TACO E8M0 scale"
+    plain = "group FP8, no Hadamard"
+    real = lambda v, g, c=3: _mean(rows, v, g, c, True)  # noqa: E731
+    synth = lambda v, g, c=4: _mean(rows, v, g, c, False)  # noqa: E731
+    ratio = {r[1]: r[7] for r in rows if r[2] == 128}
+    ratio64 = next(r[7] for r in rows if r[1] == folded and r[2] == 64)
+    return [
+        f"- **G = 128, E4M3, folded fp32 scale** (`TacoCodec()` default): {ratio[folded]:.3f}x vs bf16. Folding s_a into "
+        f"s_q does not change the error (real traffic rel. L2 {real(folded, 128):.4f} folded vs {real(dual, 128):.4f} "
+        f"dual): s_a cancels because the Hadamard runs in fp32. The paper's dual form costs 4 more bytes per group "
+        f"({ratio[dual]:.3f}x).",
+        f"- E8M0 (power-of-two byte) reaches {ratio[e8m0]:.3f}x for {100 * (real(e8m0, 128) / real(folded, 128) - 1):+.1f}% "
+        f"relative error on real traffic ({real(e8m0, 128):.4f}); available as `--taco-scales e8m0`.",
+        f"- G: smaller groups lower the error (real traffic {real(folded, 32):.4f} at G=32 to {real(folded, 256):.4f} at "
+        f"G=256) and cost ratio (G=64: {ratio64:.3f}x); G=128 is the smallest G with ratio >= 1.9x.",
+        f"- E5M2 doubles the error ({real('TACO folded, E5M2', 128):.4f}): E4M3 stays the default.",
+        f"- **Finding on the Hadamard**: on these inputs it does not lower the error of FP8. Real traffic rel. L2 at G=128: "
+        f"ASH {real(folded, 128):.4f}, plain group FP8 {real(plain, 128):.4f}. On the near-zero half of the values it "
+        f"is worse: {real(folded, 128, 4):.4f} vs {real(plain, 128, 4):.4f} on real traffic, {synth(folded, 128):.3f} vs "
+        f"{synth(plain, 128):.4f} on the synthetic inputs (driven by the outlier-channel input: the Hadamard spreads an "
+        f"outlier's rounding error over every value of its group, while FP8's log grid already keeps small values). "
+        f"INT8 shows the zero collapse the paper describes ({100 * real('group INT8', 128, 5):.2f}% of non-zero real "
+        f"values decode to 0; FP8 variants {100 * real(folded, 128, 5):.2f}%). Both transforms are selectable "
+        f"(`--taco-mode fp8-ash` / `fp8`); the end-to-end loss study decides between them.",
+    ]
+
+
+def _write_report(args, rows, inputs, losses) -> None:
+    import megatron.core
+    import triton
+
+    lines = [
+        "# TACO codec numerics study",
+        "",
+        f"- Command: `python benchmarks/codec_study.py --out {args.out} --train-steps {args.train_steps} --seed {args.seed}`",
+        f"- Date: {datetime.date.today().isoformat()}; machine: {platform.machine()} CPU ({os.cpu_count()} cores), "
+        f"Python {platform.python_version()}, torch {torch.__version__}, megatron-core {megatron.core.__version__}, "
+        f"triton {triton.__version__}",
+        "- Codec path: the torch reference (the Triton kernels write the same bytes, see tests/test_kernels.py).",
+        f"- Real TP traffic: GPT {STUDY_MODEL.num_layers} layers, hidden {STUDY_MODEL.hidden_size}, "
+        f"FFN {STUDY_MODEL.ffn_hidden_size}, seq {STUDY_MODEL.seq_length}, TP=2 + SP, trained {args.train_steps} steps "
+        f"on byte-level Python stdlib text (loss {losses[0]:.3f} -> {losses[-1]:.3f}); tensors of TP rank 0 at the last step.",
+        "- Synthetic inputs: 256 x 4096 fp32 each.",
+        "- Metrics: relative L2 error ||x' - x|| / ||x||; small-half rel. L2 = the same over the elements with "
+        "|x| <= median |x| (the near-zero mass); zero collapse = share of non-zero inputs decoded to exactly 0; "
+        "max error = max|x' - x| / max|x|; ratio = bf16 bytes / message bytes (header and scales included).",
+        "",
+        "## Default chosen",
+        "",
+        *_conclusions(rows),
+        "",
+        "## Summary (mean over inputs)",
+        "",
+        *_summary(rows, inputs),
+        "",
+        "## Every input",
+        "",
+        "| input | shape | variant | G | rel. L2 | small-half rel. L2 | zero collapse | max err | ratio |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for input_name, variant, group, rel, rel_small, collapse, max_err, ratio in rows:
+        shape = "x".join(str(s) for s in inputs[input_name].shape)
+        lines.append(
+            f"| {input_name} | {shape} | {variant} | {group or '-'} | {rel:.4f} | {rel_small:.4f} | "
+            f"{100 * collapse:.2f}% | {max_err:.4f} | {ratio:.3f} |"
+        )
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
