@@ -111,7 +111,7 @@ class CodecSettings:
         return groups, HEADER_BYTES, HEADER_BYTES + groups * self.group_size
 
 
-def _settings_from_bytes(raw: bytes) -> str:
+def describe_settings_bytes(raw: bytes) -> str:
     version, packed, log2_group, scale_id = raw
     if version != WIRE_VERSION:
         return f"wire version {version}"
@@ -146,7 +146,7 @@ def check_header(settings: CodecSettings, buf: torch.Tensor, numel: int) -> None
         raise WireFormatError(f"not a TACO message (magic {raw[:4]!r})")
     if raw[4:8] != settings.settings_bytes():
         raise WireFormatError(
-            f"codec settings mismatch: message was compressed with {_settings_from_bytes(raw[4:8])}, "
+            f"codec settings mismatch: message was compressed with {describe_settings_bytes(raw[4:8])}, "
             f"decoder uses {settings.describe()}"
         )
     (sent_numel,) = struct.unpack("<Q", raw[8:16])

@@ -13,14 +13,17 @@ Per group of G values x (fp32), with M the FP8 maximum (448 for E4M3):
     ASH, scales="dual" (the paper's form):
         s_a = clamp(M / sqrt(sum(x^2)/G + eps), 1e-3, 1e3)    adaptive scale
         y   = H(x) * (s_a / sqrt(G))                             = H(s_a x)/sqrt(G)
-        s_q = max|y| / M ;  q = fp8(clamp(y / s_q, -M, M))       stores (s_q, s_a)
+        s_q = max|y| / M ;  q = fp8(clamp(y * (M / max|y|), -M, M))   stores (s_q, s_a)
         x'  = H(q * s_q) / sqrt(G) / s_a
     ASH, scales="fp32": s_a cancels against s_q, so it is folded:
-        y = H(x) / sqrt(G) ;  s = max|y| / M ;  q = fp8(y / s)   stores s
+        y = H(x) / sqrt(G) ;  s = max|y| / M ;  q = fp8(y * (M / max|y|))   stores s
         x' = H(q * s) / sqrt(G)
     scales="e8m0": as "fp32" with s rounded up to a power of two 2^e (q = y * 2^-e
         is exact); stores the byte e + 127.
     transform="none": y = x (per-group FP8 without Hadamard).
+
+The sum of N messages (the reduce-scatter's local step) is H(sum_r q_r s_r)/sqrt(G)
+for one-scale modes: one transform instead of N.
 
 A group holding NaN or Inf gets a NaN scale and NaN codes, so it decodes to
 NaN (never to silent zeros); an all-zero group decodes to exact zeros.
@@ -28,7 +31,7 @@ NaN (never to silent zeros); an all-zero group decodes to exact zeros.
 
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Sequence, Tuple
 
 import torch
 
@@ -74,9 +77,16 @@ def inv_sqrt_group(group_size: int) -> float:
     return float(torch.tensor(group_size, dtype=torch.float64).rsqrt().float())
 
 
-def _nonfinite_groups(y: torch.Tensor) -> torch.Tensor:
-    """True for groups with a NaN or Inf (their |y| sum is non-finite)."""
-    return ~torch.isfinite(pairwise_sum(y.abs()))
+def _abs_max_and_nonfinite(y: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per group: max |y| (0 for a non-finite group) and whether the group holds NaN or Inf.
+
+    NaN is mapped to Inf before the max (a GPU max would skip NaN), so a group is
+    non-finite exactly when its max is Inf.
+    """
+    magnitude = torch.where(torch.isnan(y), float("inf"), y.abs())
+    amax = magnitude.amax(dim=-1)
+    nonfinite = amax == float("inf")
+    return torch.where(nonfinite, torch.zeros_like(amax), amax), nonfinite
 
 
 def _ceil_pow2_exponent(need: torch.Tensor) -> torch.Tensor:
@@ -105,13 +115,13 @@ def encode_groups(x: torch.Tensor, settings: CodecSettings) -> Tuple[torch.Tenso
             mean_square = pairwise_sum(x * x) * (1.0 / group)  # 1/G is a power of two: exact
             rms = sqrt_rn(mean_square + _f32(settings.eps, x))
             s_a = div_rn(fp8_max, rms).clamp(ADAPTIVE_SCALE_MIN, ADAPTIVE_SCALE_MAX)
+            s_a = torch.where(torch.isnan(s_a), _f32(float("nan"), x), s_a)  # one NaN bit pattern
             y = fwht(x) * (s_a * _f32(inv_sqrt_group(group), x))[:, None]
         else:
             y = fwht(x) * _f32(inv_sqrt_group(group), x)
     else:
         y = x
-    nonfinite = _nonfinite_groups(y)
-    amax = torch.where(nonfinite, torch.zeros_like(y[:, 0]), y.abs().amax(dim=-1))
+    amax, nonfinite = _abs_max_and_nonfinite(y)
     nan = _f32(float("nan"), x)
     if settings.scales == "e8m0":
         exponent = _ceil_pow2_exponent(div_rn(amax, fp8_max))
@@ -120,7 +130,9 @@ def encode_groups(x: torch.Tensor, settings: CodecSettings) -> Tuple[torch.Tenso
     else:
         s_q = torch.where(amax > 0, div_rn(amax, fp8_max), torch.ones_like(amax))
         s_q = torch.where(nonfinite, nan, s_q)
-        q = div_rn(y, s_q[:, None])
+        # One division per group, a multiply per element (a per-element IEEE division is slow on GPU).
+        inv_s_q = torch.where(amax > 0, div_rn(fp8_max, amax), torch.ones_like(amax))
+        q = y * inv_s_q[:, None]
         stored = torch.stack([s_q, s_a], dim=-1) if settings.scales == "dual" else s_q[:, None]
     codes = q.clamp(-fmt.max_value, fmt.max_value).to(fmt.torch_dtype).view(torch.uint8)
     codes = torch.where(nonfinite[:, None], torch.full_like(codes, NAN_CODE), codes)
@@ -144,3 +156,23 @@ def decode_groups(codes: torch.Tensor, scales: torch.Tensor, settings: CodecSett
     if settings.scales == "dual":
         x = div_rn(x, scales[:, 1:2])
     return x
+
+
+def decode_sum_groups(codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], settings: CodecSettings) -> torch.Tensor:
+    """Sum of the decodes of N messages' groups, in fp32 and in message order.
+
+    The Hadamard is linear, so with one scale per group the products q * s are
+    summed first and transformed once: H(sum_r q_r s_r) / sqrt(G). The dual form
+    divides each message by its own s_a after its transform, so it sums decodes.
+    """
+    if settings.scales == "dual":
+        total = torch.zeros_like(codes[0], dtype=torch.float32)
+        for c, s in zip(codes, scales):
+            total = total + decode_groups(c, s, settings)
+        return total
+    acc = torch.zeros_like(codes[0], dtype=torch.float32)
+    for c, s in zip(codes, scales):
+        acc = acc + c.view(settings.format.torch_dtype).float() * decode_scale(s, settings)[:, None]
+    if settings.transform == "none":
+        return acc
+    return fwht(acc) * _f32(inv_sqrt_group(settings.group_size), acc)

@@ -13,7 +13,7 @@ the same bytes.
 from __future__ import annotations
 
 import math
-from typing import Sequence, Union
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -92,37 +92,56 @@ class TacoCodec:
             self._headers[key] = torch.tensor(list(raw), dtype=torch.uint8, device=device)
         return self._headers[key]
 
-    def compress(self, x: torch.Tensor, out: Union[torch.Tensor, None] = None) -> torch.Tensor:
+    def compress(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Encode ``x`` (any shape, contiguous or not) into one uint8 message (written to ``out`` if given)."""
         _check_input(x)
-        numel = x.numel()
-        nbytes = self.compressed_nbytes(numel)
+        nbytes = self.compressed_nbytes(x.numel())
         if out is None:
             out = torch.empty(nbytes, dtype=torch.uint8, device=x.device)
-        elif out.dtype != torch.uint8 or out.numel() != nbytes:
+        elif out.dtype != torch.uint8 or out.shape != (nbytes,):
             raise ValueError(f"out must be a uint8 tensor of {nbytes} elements")
-        flat = x.reshape(-1)
-        if self._use_triton(x):
-            from megatron_taco.kernels import taco_kernels
-
-            taco_kernels.compress(flat, out, self.settings)
-            return out
-        groups, codes_at, scales_at = self.settings.layout(numel)
-        padded = torch.zeros(groups * self.group_size, dtype=torch.float32, device=x.device)
-        padded[:numel] = flat
-        codes, scales = reference.encode_groups(padded.view(groups, self.group_size), self.settings)
-        out[:codes_at] = self._header(numel, x.device)
-        out[codes_at:scales_at] = codes.reshape(-1)
-        out[scales_at:] = scales.contiguous().view(torch.uint8).reshape(-1)
+        self.compress_rows(x.reshape(1, -1), out.view(1, -1))
         return out
 
-    def _decode_flat(self, buf: torch.Tensor, numel: int) -> torch.Tensor:
+    def compress_rows(self, rows: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Encode each row of a 2-D tensor as its own message: [R, m] -> uint8 [R, nbytes].
+
+        Rows may be strided views (e.g. the destination chunks of a reduce-scatter).
+        """
+        _check_input(rows)
+        if rows.dim() != 2:
+            raise ValueError(f"compress_rows takes a 2-D tensor, got shape {tuple(rows.shape)}")
+        if rows.shape[1] > 1 and rows.stride(1) != 1:
+            rows = rows.contiguous()
+        numel = rows.shape[1]
+        nbytes = self.compressed_nbytes(numel)
+        if out is None:
+            out = torch.empty(rows.shape[0], nbytes, dtype=torch.uint8, device=rows.device)
+        elif out.dtype != torch.uint8 or out.shape != (rows.shape[0], nbytes) or out.stride(1) != 1:
+            raise ValueError(f"out must be a uint8 tensor of shape {(rows.shape[0], nbytes)} with unit column stride")
+        if self._use_triton(rows):
+            from megatron_taco.kernels import taco_kernels
+
+            taco_kernels.compress_rows(rows, out, self.settings)
+            return out
+        groups, codes_at, scales_at = self.settings.layout(numel)
+        header = self._header(numel, rows.device)
+        for row, message in zip(rows, out):
+            padded = torch.zeros(groups * self.group_size, dtype=torch.float32, device=rows.device)
+            padded[:numel] = row
+            codes, scales = reference.encode_groups(padded.view(groups, self.group_size), self.settings)
+            message[:codes_at] = header
+            message[codes_at:scales_at] = codes.reshape(-1)
+            message[scales_at:] = scales.contiguous().view(torch.uint8).reshape(-1)
+        return out
+
+    def _split(self, buf: torch.Tensor, numel: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(codes [groups, G], scales [groups, k]) views of one message."""
         groups, codes_at, scales_at = self.settings.layout(numel)
         codes = buf[codes_at:scales_at].view(groups, self.group_size)
         scale_dtype = torch.uint8 if self.settings.scales == "e8m0" else torch.float32
         per_group = self.settings.scale_bytes // torch.empty((), dtype=scale_dtype).element_size()
-        scales = buf[scales_at:].view(scale_dtype).view(groups, per_group)
-        return reference.decode_groups(codes, scales, self.settings).reshape(-1)[:numel]
+        return codes, buf[scales_at:].view(scale_dtype).view(groups, per_group)
 
     def decompress(
         self,
@@ -136,15 +155,7 @@ class TacoCodec:
         ``validate`` checks the header on the host (a device sync on GPU); the
         collectives check settings once per process group instead.
         """
-        _check_output_dtype(dtype)
-        numel = math.prod(shape)
-        if validate:
-            check_header(self.settings, buf, numel)
-        if self._use_triton(buf):
-            from megatron_taco.kernels import taco_kernels
-
-            return taco_kernels.decompress_sum(buf.view(1, -1), numel, dtype, self.settings).view(shape)
-        return self._decode_flat(buf, numel).to(dtype).view(shape)
+        return self.decompress_sum(buf.view(1, -1), shape, dtype, validate)
 
     def decompress_sum(
         self,
@@ -155,17 +166,38 @@ class TacoCodec:
     ) -> torch.Tensor:
         """Decode N messages (rows of a [N, nbytes] uint8 tensor) and sum them in fp32, in row order."""
         _check_output_dtype(dtype)
-        numel = math.prod(shape)
         if bufs.dim() != 2:
             raise ValueError(f"decompress_sum takes a [N, nbytes] uint8 tensor, got shape {tuple(bufs.shape)}")
+        out = torch.empty(shape, dtype=dtype, device=bufs.device)
+        self.decompress_rows(bufs, out.view(1, -1), validate)
+        return out
+
+    def decompress_rows(self, bufs: torch.Tensor, out: torch.Tensor, validate: bool = True) -> torch.Tensor:
+        """Decode into each row of ``out`` [R, m] the fp32 sum of its N = len(bufs) / R messages.
+
+        With R = len(bufs) every message has its own output row (an all-gather's
+        step); with R = 1 all messages are summed (a reduce-scatter's step).
+        """
+        _check_output_dtype(out.dtype)
+        rows, numel = out.shape
+        if bufs.dim() != 2 or bufs.dtype != torch.uint8 or rows == 0 or bufs.shape[0] % rows:
+            raise ValueError(
+                f"decompress_rows takes uint8 messages [N, nbytes] with N a multiple of the {rows} output rows, "
+                f"got {bufs.dtype} of shape {tuple(bufs.shape)}"
+            )
+        if out.shape[1] > 1 and out.stride(1) != 1:
+            raise ValueError("decompress_rows needs output rows with unit column stride")
         if validate:
-            for row in bufs:
-                check_header(self.settings, row, numel)
+            for message in bufs:
+                check_header(self.settings, message, numel)
         if self._use_triton(bufs):
             from megatron_taco.kernels import taco_kernels
 
-            return taco_kernels.decompress_sum(bufs, numel, dtype, self.settings).view(shape)
-        total = torch.zeros(numel, dtype=torch.float32, device=bufs.device)
-        for row in bufs:
-            total = total + self._decode_flat(row, numel)
-        return total.to(dtype).view(shape)
+            taco_kernels.decompress_rows(bufs, out, self.settings)
+            return out
+        per_row = bufs.shape[0] // rows
+        for r in range(rows):
+            parts = [self._split(message, numel) for message in bufs[r * per_row : (r + 1) * per_row]]
+            total = reference.decode_sum_groups([c for c, _ in parts], [s for _, s in parts], self.settings)
+            out[r] = total.reshape(-1)[:numel]
+        return out

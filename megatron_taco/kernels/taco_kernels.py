@@ -29,7 +29,9 @@ from megatron_taco.codec import reference
 from megatron_taco.codec.format import NAN_CODE, CodecSettings, header_words
 
 _SCALE_MODE_IDS = {"fp32": 0, "dual": 1, "e8m0": 2}
-_TILE_ELEMENTS = 4096  # elements per program: BLOCK_G = _TILE_ELEMENTS // G
+# GPU launch shape: elements per program (BLOCK_G = tile // G) and warps, per kernel.
+# Chosen from the sweep in benchmarks/kernels.py (see benchmarks/results/kernels.md).
+LAUNCH_CONFIG = {"compress": (4096, 8), "decompress_sum": (4096, 8)}
 
 
 @triton.jit
@@ -78,14 +80,18 @@ def _round_to_grid(x, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB
 
 @triton.jit
 def _compress_kernel(
-    x_ptr, out_ptr, numel, n_groups, scales_offset,
+    x_ptr, out_ptr, x_row_stride, out_row_stride, numel, n_groups, scales_offset,
     head0, head1, head2, head3, eps,
     G: tl.constexpr, LOG2G: tl.constexpr, BLOCK_G: tl.constexpr,
     ASH: tl.constexpr, SCALE_MODE: tl.constexpr, IS_E4M3: tl.constexpr,
     FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
     SUBNORMAL_SHIFTER: tl.constexpr, INV_SQRT_G: tl.constexpr, NAN_BYTE: tl.constexpr,
 ):
+    """Row program_id(1) of x (``numel`` elements each) -> row program_id(1) of out (one message each)."""
     pid = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    x_ptr += row * x_row_stride
+    out_ptr += row * out_row_stride
     if pid == 0:  # the 16-byte header: magic, settings, element count
         words = tl.where(tl.arange(0, 4) == 0, head0,
                 tl.where(tl.arange(0, 4) == 1, head1, tl.where(tl.arange(0, 4) == 2, head2, head3)))
@@ -104,18 +110,18 @@ def _compress_kernel(
             mean_square = _pairwise_sum(x * x, BLOCK_G, G, LOG2G) * (1.0 / G)
             rms = tl.sqrt_rn(mean_square + eps)
             raw = tl.math.div_rn(fp8_max, rms)
-            # clamp, letting NaN through as torch.clamp does (GPU min/max would drop it)
-            s_a = tl.where(raw != raw, raw, tl.minimum(tl.maximum(raw, 1e-3), 1e3))
+            # clamp, with one NaN bit pattern for NaN as in the reference (GPU min/max drop NaN)
+            s_a = tl.where(raw != raw, float("nan"), tl.minimum(tl.maximum(raw, 1e-3), 1e3))
             y = _fwht(x, BLOCK_G, G, LOG2G) * (s_a * INV_SQRT_G)[:, None]
         else:
             y = _fwht(x, BLOCK_G, G, LOG2G) * INV_SQRT_G
     else:
         y = x
 
-    # A group with NaN/Inf has a non-finite |y| sum (max() would skip NaN on GPU).
-    abs_sum = _pairwise_sum(tl.abs(y), BLOCK_G, G, LOG2G)
-    nonfinite = (abs_sum != abs_sum) | (abs_sum == float("inf"))
-    amax = tl.where(nonfinite, 0.0, tl.max(tl.abs(y), axis=1))
+    # max |y| with NaN counted as Inf (a GPU max skips NaN): a group is non-finite iff that max is Inf.
+    amax = tl.max(tl.where(y != y, float("inf"), tl.abs(y)), axis=1)
+    nonfinite = amax == float("inf")
+    amax = tl.where(nonfinite, 0.0, amax)
 
     # Quantization scale: s_q = amax / M, or its power-of-two ceiling 2^e for E8M0.
     if SCALE_MODE == 2:
@@ -126,7 +132,8 @@ def _compress_kernel(
     else:
         s_q = tl.where(amax > 0, tl.math.div_rn(amax, fp8_max), 1.0)
         s_q = tl.where(nonfinite, float("nan"), s_q)
-        q = tl.math.div_rn(y, s_q[:, None])
+        # one IEEE division per group, a multiply per element
+        q = y * tl.where(amax > 0, tl.math.div_rn(fp8_max, amax), 1.0)[:, None]
 
     q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
     q = _round_to_grid(q, MANTISSA_BITS, MIN_NORMAL, SUBNORMAL_SHIFTER)
@@ -151,13 +158,21 @@ def _compress_kernel(
 
 @triton.jit
 def _decompress_sum_kernel(
-    bufs_ptr, out_ptr, n_bufs, buf_stride, numel, n_groups, scales_offset,
+    bufs_ptr, out_ptr, n_bufs, buf_stride, out_row_stride, numel, n_groups, scales_offset,
     G: tl.constexpr, LOG2G: tl.constexpr, BLOCK_G: tl.constexpr,
     ASH: tl.constexpr, SCALE_MODE: tl.constexpr, IS_E4M3: tl.constexpr, INV_SQRT_G: tl.constexpr,
     OUT_MANTISSA_BITS: tl.constexpr, OUT_MIN_NORMAL: tl.constexpr, OUT_SUBNORMAL_SHIFTER: tl.constexpr,
 ):
-    """out = sum over r of decode(bufs[r]), accumulated in fp32 in order r = 0, 1, ..."""
+    """out = sum over r of decode(bufs[r]) in fp32, in order r = 0, 1, ...
+
+    With one scale per group the transform is linear in the sum: H(sum_r q_r s_r) / sqrt(G),
+    one Hadamard instead of N (``reference.decode_sum_groups`` defines the same order).
+    Output row program_id(1) sums messages [row * n_bufs, (row + 1) * n_bufs).
+    """
     pid = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    bufs_ptr += row * n_bufs * buf_stride
+    out_ptr += row * out_row_stride
     groups = pid * BLOCK_G + tl.arange(0, BLOCK_G)
     group_ok = groups < n_groups
     offsets = groups.to(tl.int64)[:, None] * G + tl.arange(0, G)[None, :]
@@ -178,15 +193,14 @@ def _decompress_sum_kernel(
             stride: tl.constexpr = 2 if SCALE_MODE == 1 else 1
             scale = tl.load(scale_ptr + stride * groups, mask=group_ok, other=1.0)
         y = y * scale[:, None]
-        if ASH:
-            x = _fwht(y, BLOCK_G, G, LOG2G) * INV_SQRT_G
-            if SCALE_MODE == 1:
-                s_a = tl.load(scale_ptr + 2 * groups + 1, mask=group_ok, other=1.0)
-                x = tl.math.div_rn(x, s_a[:, None])
-        else:
-            x = y
-        acc += x
+        if SCALE_MODE == 1:  # dual: each message is transformed and divided by its own s_a
+            s_a = tl.load(scale_ptr + 2 * groups + 1, mask=group_ok, other=1.0)
+            acc += tl.math.div_rn(_fwht(y, BLOCK_G, G, LOG2G) * INV_SQRT_G, s_a[:, None])
+        else:  # one scale per group: sum q * s first, transform once after the loop
+            acc += y
         buf += buf_stride  # pointer arithmetic is 64-bit: no overflow past 2 GiB
+    if ASH and SCALE_MODE != 1:
+        acc = _fwht(acc, BLOCK_G, G, LOG2G) * INV_SQRT_G
     if OUT_MANTISSA_BITS < 23:  # bf16/fp16 output: round in fp32 first (the interpreter truncates)
         acc = _round_to_grid(acc, OUT_MANTISSA_BITS, OUT_MIN_NORMAL, OUT_SUBNORMAL_SHIFTER)
     tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=offsets < numel)
@@ -214,45 +228,50 @@ def _fp8_constants(settings: CodecSettings) -> dict:
     )
 
 
-def _common(settings: CodecSettings) -> dict:
+def _common(settings: CodecSettings, kernel: str) -> dict:
     g = settings.group_size
     return dict(
         G=g,
         LOG2G=g.bit_length() - 1,
-        BLOCK_G=max(1, _TILE_ELEMENTS // g),
+        BLOCK_G=max(1, LAUNCH_CONFIG[kernel][0] // g),
         ASH=settings.transform == "ash",
         SCALE_MODE=_SCALE_MODE_IDS[settings.scales],
         INV_SQRT_G=reference.inv_sqrt_group(g),
     )
 
 
-def _launch_options(x: torch.Tensor) -> dict:
-    return dict(num_warps=8, enable_fp_fusion=False) if x.is_cuda else {}
+def _launch_options(x: torch.Tensor, kernel: str) -> dict:
+    return dict(num_warps=LAUNCH_CONFIG[kernel][1], enable_fp_fusion=False) if x.is_cuda else {}
 
 
-def compress(flat: torch.Tensor, out: torch.Tensor, settings: CodecSettings) -> None:
-    """Write the message of the 1-D tensor ``flat`` (fp32/bf16/fp16) into ``out`` (uint8)."""
-    numel = flat.numel()
+def compress_rows(x: torch.Tensor, out: torch.Tensor, settings: CodecSettings) -> None:
+    """Compress each row of ``x`` [R, m] (unit column stride) into the rows of ``out`` [R, nbytes]."""
+    rows, numel = x.shape
     n_groups, _, scales_offset = settings.layout(numel)
-    common = _common(settings)
-    grid = (max(1, triton.cdiv(n_groups, common["BLOCK_G"])),)
+    common = _common(settings, "compress")
+    grid = (max(1, triton.cdiv(n_groups, common["BLOCK_G"])), rows)
     _compress_kernel[grid](
-        flat, out, numel, n_groups, scales_offset, *header_words(settings, numel), settings.eps,
-        NAN_BYTE=NAN_CODE, **common, **_fp8_constants(settings), **_launch_options(flat),
+        x, out, x.stride(0), out.stride(0), numel, n_groups, scales_offset,
+        *header_words(settings, numel), settings.eps,
+        NAN_BYTE=NAN_CODE, **common, **_fp8_constants(settings), **_launch_options(x, "compress"),
     )
 
 
-def decompress_sum(bufs: torch.Tensor, numel: int, dtype: torch.dtype, settings: CodecSettings) -> torch.Tensor:
-    """Decode the N messages in the rows of ``bufs`` [N, nbytes] and return their fp32 sum as ``dtype``."""
+def decompress_rows(bufs: torch.Tensor, out: torch.Tensor, settings: CodecSettings) -> None:
+    """out[r] = fp32 sum of the decodes of messages bufs[r * N : (r + 1) * N], N = len(bufs) / len(out).
+
+    ``out`` is [R, m] with unit column stride (row stride free: slices of a larger tensor work).
+    """
+    rows, numel = out.shape
+    if numel == 0 or rows == 0:
+        return
+    if bufs.shape[0] % rows:
+        raise ValueError(f"{bufs.shape[0]} messages do not split evenly over {rows} output rows")
     n_groups, _, scales_offset = settings.layout(numel)
-    out = torch.empty(numel, dtype=dtype, device=bufs.device)
-    if numel == 0:
-        return out
-    common = _common(settings)
-    grid = (triton.cdiv(n_groups, common["BLOCK_G"]),)
+    common = _common(settings, "decompress_sum")
+    grid = (triton.cdiv(n_groups, common["BLOCK_G"]), rows)
     _decompress_sum_kernel[grid](
-        bufs, out, bufs.shape[0], bufs.stride(0), numel, n_groups, scales_offset,
-        IS_E4M3=settings.format.name == "e4m3", **common, **_launch_options(bufs),
-        **_grid_constants(*_OUTPUT_GRIDS[dtype], prefix="OUT_"),
+        bufs, out, bufs.shape[0] // rows, bufs.stride(0), out.stride(0), numel, n_groups, scales_offset,
+        IS_E4M3=settings.format.name == "e4m3", **common, **_launch_options(bufs, "decompress_sum"),
+        **_grid_constants(*_OUTPUT_GRIDS[out.dtype], prefix="OUT_"),
     )
-    return out

@@ -162,13 +162,9 @@ def enable_cpu_runtime() -> None:
 
 
 def cpu_config_overrides() -> Dict[str, Any]:
-    """TransformerConfig fields that must be set for megatron-core models on CPU."""
-    return dict(
-        use_cpu_initialization=True,
-        batch_p2p_sync=False,
-        gradient_accumulation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-    )
+    """TransformerConfig fields that must be set for megatron-core models on CPU.
+
+    (On top of ``specs.LOCAL_SPEC_CONFIG``: the jit-fused bias-dropout and batched
+    p2p sync are CUDA-only.)
+    """
+    return dict(use_cpu_initialization=True, batch_p2p_sync=False, bias_dropout_fusion=False)

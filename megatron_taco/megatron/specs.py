@@ -29,6 +29,16 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from megatron_taco.megatron.norms import SequenceParallelNorm
 
+# TransformerConfig fields for models built from these specs: the fused paths they turn off
+# need apex or Transformer Engine (CUDA extensions that are not installed with megatron-core).
+LOCAL_SPEC_CONFIG = dict(
+    gradient_accumulation_fusion=False,
+    masked_softmax_fusion=False,
+    apply_rope_fusion=False,
+    bias_activation_fusion=False,
+    persist_layer_norm=False,
+)
+
 
 def transformer_layer_spec(
     column_linear: Type[ColumnParallelLinear] = ColumnParallelLinear,

@@ -24,9 +24,11 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_taco.megatron.cpu_runtime import cpu_config_overrides, enable_cpu_runtime
+from megatron_taco.megatron.specs import LOCAL_SPEC_CONFIG
 from megatron_taco.training.model import ModelShape, build_gpt_model, make_transformer_config
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -88,6 +90,11 @@ class Trainer:
             )
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
+            if cfg.dtype != "fp32":
+                raise ValueError(
+                    f"--dtype {cfg.dtype} needs CUDA: megatron-core's mixed-precision optimizer accepts only "
+                    "CUDA tensors; use --dtype fp32 on CPU"
+                )
             enable_cpu_runtime()
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=cfg.tensor_parallel,
@@ -104,9 +111,11 @@ class Trainer:
             sequence_parallel=cfg.sequence_parallel,
             params_dtype=dtype,
             dropout=cfg.dropout,
-            extra=None if on_gpu else cpu_config_overrides(),
+            extra={**LOCAL_SPEC_CONFIG, **({} if on_gpu else cpu_config_overrides())},
         )
         module = build_gpt_model(cfg.shape, self.config, layer_spec, seed=cfg.seed).to(self.device)
+        if dtype != torch.float32:  # Megatron's mixed precision: half params, fp32 logits and main params
+            module = Float16Module(self.config, module)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )

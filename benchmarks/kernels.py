@@ -1,0 +1,156 @@
+"""Bandwidth of the fused TACO kernels vs a device-to-device copy, on one GPU.
+
+    python benchmarks/kernels.py --out benchmarks/results/kernels.md
+
+For bf16 and fp32 inputs of 8-512 MiB: compress, decompress, and decompress-sum
+of N = 2 and 4 messages. Achieved bandwidth counts the bytes each kernel must
+read and write (input + message, or N messages + output); it is reported as a
+fraction of a torch device-to-device copy of the input measured in the same
+run. Beside them: the torch eager reference and a torch.compile of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+
+import torch
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from megatron_taco.codec import TacoCodec, reference  # noqa: E402
+from megatron_taco.kernels import taco_kernels  # noqa: E402
+
+MIB = 1 << 20
+
+
+def _bench(fn) -> float:
+    """Median milliseconds of fn()."""
+    return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _gbps(nbytes: int, ms: float) -> float:
+    return nbytes / ms / 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", default="benchmarks/results/kernels.md")
+    parser.add_argument("--sizes-mib", default="8,32,64,128,256,512")
+    parser.add_argument("--compare-sizes-mib", default="64,256", help="sizes where the torch reference runs too")
+    args = parser.parse_args()
+    assert torch.cuda.is_available(), "benchmarks/kernels.py needs a CUDA GPU"
+    torch.manual_seed(0)
+    codec = TacoCodec(backend="triton")
+    settings = codec.settings
+
+    def reference_compress(x):
+        groups = x.numel() // settings.group_size
+        return reference.encode_groups(x.float().view(groups, settings.group_size), settings)
+
+    sweep = _sweep_launch_configs(codec)
+    compiled_compress = torch.compile(reference_compress)
+    rows = []
+    for dtype in (torch.bfloat16, torch.float32):
+        for size_mib in (int(s) for s in args.sizes_mib.split(",")):
+            numel = size_mib * MIB // torch.empty((), dtype=dtype).element_size()
+            x = torch.randn(numel, device="cuda", dtype=dtype)
+            in_bytes = x.numel() * x.element_size()
+            msg_bytes = codec.compressed_nbytes(numel)
+            copy_out = torch.empty_like(x)
+            copy_ms = _bench(lambda: copy_out.copy_(x))
+            copy_bw = _gbps(2 * in_bytes, copy_ms)
+            buf = torch.empty(msg_bytes, dtype=torch.uint8, device="cuda")
+            comp_ms = _bench(lambda: codec.compress(x, out=buf))
+            dec_ms = _bench(lambda: codec.decompress(buf, x.shape, dtype, validate=False))
+            row = dict(
+                dtype=str(dtype).replace("torch.", ""), size=size_mib, copy_ms=copy_ms, copy_bw=copy_bw,
+                comp_ms=comp_ms, comp_frac=_gbps(in_bytes + msg_bytes, comp_ms) / copy_bw,
+                dec_ms=dec_ms, dec_frac=_gbps(in_bytes + msg_bytes, dec_ms) / copy_bw,
+            )
+            for n in (2, 4):
+                bufs = buf.unsqueeze(0).repeat(n, 1)
+                ms = _bench(lambda: codec.decompress_sum(bufs, x.shape, dtype, validate=False))
+                row[f"sum{n}_ms"] = ms
+                row[f"sum{n}_frac"] = _gbps(n * msg_bytes + in_bytes, ms) / copy_bw
+                del bufs
+            if str(size_mib) in args.compare_sizes_mib.split(","):
+                row["eager_ms"] = _bench(lambda: reference_compress(x))
+                try:
+                    compiled_compress(x)
+                    row["compiled_ms"] = _bench(lambda: compiled_compress(x))
+                except Exception as exc:  # report, do not hide
+                    row["compiled_ms"] = float("nan")
+                    print(f"torch.compile of the reference failed: {type(exc).__name__}: {exc}", flush=True)
+            rows.append(row)
+            print(row, flush=True)
+            del x, buf, copy_out
+            torch.cuda.empty_cache()
+    _write(args, rows, sweep)
+
+
+def _sweep_launch_configs(codec: TacoCodec) -> list:
+    """Time each kernel at 256 MiB (bf16 and fp32) for several tiles and warp counts; keep the best."""
+    configs = [(tile, warps) for tile in (1024, 2048, 4096, 8192) for warps in (2, 4, 8)]
+    inputs = {dtype: torch.randn(256 * MIB // torch.empty((), dtype=dtype).element_size(), device="cuda", dtype=dtype)
+              for dtype in (torch.bfloat16, torch.float32)}
+    results = []
+    for kernel in ("compress", "decompress_sum"):
+        best = None
+        for config in configs:
+            taco_kernels.LAUNCH_CONFIG[kernel] = config
+            total = 0.0
+            for dtype, x in inputs.items():
+                buf = codec.compress(x)
+                if kernel == "compress":
+                    total += _bench(lambda: codec.compress(x, out=buf))
+                else:
+                    bufs = buf.unsqueeze(0).repeat(2, 1)
+                    total += _bench(lambda: codec.decompress_sum(bufs, x.shape, dtype, validate=False))
+            results.append((kernel, config, total))
+            print(f"sweep {kernel} tile={config[0]} warps={config[1]}: {total:.3f} ms (bf16 + fp32)", flush=True)
+            if best is None or total < best[1]:
+                best = (config, total)
+        taco_kernels.LAUNCH_CONFIG[kernel] = best[0]
+        print(f"chosen {kernel}: tile={best[0][0]} warps={best[0][1]}", flush=True)
+    return results
+
+
+def _write(args, rows, sweep) -> None:
+    props = torch.cuda.get_device_properties(0)
+    lines = [
+        "# TACO kernel bandwidth",
+        "",
+        f"- Command: `python benchmarks/kernels.py --out {args.out}`",
+        f"- Date: {datetime.date.today().isoformat()}; GPU: {props.name} ({props.multi_processor_count} SMs); "
+        f"torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}",
+        "- Codec: G=128, E4M3, ASH, folded fp32 scale (the default). Times are medians of `triton.testing.do_bench`.",
+        "- Fraction = achieved bandwidth / bandwidth of a device-to-device copy of the input, same run. Bytes counted: "
+        "compress and decompress = input tensor + message; decompress-sum of N = N messages + output.",
+        "",
+        f"- Launch configs chosen by the sweep below: {dict(taco_kernels.LAUNCH_CONFIG)} (elements per program, warps).",
+        "",
+        "| dtype | MiB | copy GB/s | compress ms | compress / copy | decompress ms | decompress / copy | "
+        "decompress-sum N=2 / copy | N=4 / copy | torch eager compress ms | torch.compile compress ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        eager = f"{r['eager_ms']:.3f} ({r['eager_ms'] / r['comp_ms']:.1f}x slower)" if "eager_ms" in r else "-"
+        comp = f"{r['compiled_ms']:.3f} ({r['compiled_ms'] / r['comp_ms']:.1f}x slower)" if "compiled_ms" in r else "-"
+        lines.append(
+            f"| {r['dtype']} | {r['size']} | {r['copy_bw']:.0f} | {r['comp_ms']:.3f} | {r['comp_frac']:.2f} | "
+            f"{r['dec_ms']:.3f} | {r['dec_frac']:.2f} | {r['sum2_frac']:.2f} | {r['sum4_frac']:.2f} | {eager} | {comp} |"
+        )
+    lines += ["", "## Launch-config sweep (256 MiB, sum of bf16 and fp32 times)", "",
+              "| kernel | elements per program | warps | ms |", "|---|---|---|---|"]
+    lines += [f"| {k} | {c[0]} | {c[1]} | {t:.3f} |" for k, c, t in sweep]
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,56 @@
+"""One-time agreement check of the compression settings across a process group.
+
+Ranks that compress with different settings would exchange buffers of
+different sizes (a hang, or garbage). Before the first compressed collective
+on a group, every rank all-gathers a 16-byte fingerprint of its settings and
+every rank raises the same error, naming each rank's settings, when they
+differ. The result is cached per (group ranks, settings), so it costs one
+small collective per group and setting for the whole run.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Optional, Set, Tuple
+
+import torch
+import torch.distributed as dist
+
+from megatron_taco.codec import TacoCodec
+from megatron_taco.codec.format import describe_settings_bytes
+
+_AGREED: Set[Tuple[Tuple[int, ...], bytes]] = set()
+
+
+class SettingsMismatchError(RuntimeError):
+    """Ranks of one process group were started with different compression settings."""
+
+
+def _fingerprint(codec: Optional[TacoCodec], min_bytes: int) -> bytes:
+    settings = codec.settings.settings_bytes() if codec is not None else b"\0\0\0\0"
+    return b"TACO" + settings + struct.pack("<q", min_bytes)
+
+
+def _describe(fingerprint: bytes) -> str:
+    settings, (min_bytes,) = fingerprint[4:8], struct.unpack("<q", fingerprint[8:16])
+    what = "uncompressed" if settings == b"\0\0\0\0" else describe_settings_bytes(settings)
+    return f"{what}, min_bytes={min_bytes}"
+
+
+def ensure_same_settings(
+    group: Optional[dist.ProcessGroup], codec: Optional[TacoCodec], min_bytes: int, device: torch.device
+) -> None:
+    """Raise :class:`SettingsMismatchError` on every rank if the group's ranks disagree."""
+    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    mine = _fingerprint(codec, min_bytes)
+    if (ranks, mine) in _AGREED:
+        return
+    world = len(ranks)
+    local = torch.tensor(list(mine), dtype=torch.uint8, device=device)
+    gathered = torch.empty(world * len(mine), dtype=torch.uint8, device=device)
+    dist.all_gather_into_tensor(gathered, local, group=group)
+    everyone = [bytes(row.tolist()) for row in gathered.view(world, -1).cpu()]
+    if any(fp != mine for fp in everyone):
+        detail = "; ".join(f"rank {ranks[i]}: {_describe(fp)}" for i, fp in enumerate(everyone))
+        raise SettingsMismatchError(f"compression settings differ across the process group: {detail}")
+    _AGREED.add((ranks, mine))
