@@ -160,15 +160,16 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def _policy_worker():
-    from megatron_taco.comm.policy import FAST_LINK_GBPS, NEVER, auto_options
+    from megatron_taco.comm.policy import FAST_LINK_GBPS, NEVER, auto_options, break_even_bytes
 
     options, gbps = auto_options(None, torch.device("cpu"))
-    return gbps, options.min_bytes, FAST_LINK_GBPS, NEVER
+    return gbps, options.min_bytes, FAST_LINK_GBPS, NEVER, break_even_bytes(gbps)
 
 
 def test_auto_policy_measures_the_link_and_agrees_on_every_rank():
     results = run_distributed(_policy_worker, 2, timeout=60)
-    (gbps, min_bytes, fast, never), other = results
+    (gbps, min_bytes, fast, never, break_even), other = results
     assert other[:2] == (gbps, min_bytes), "ranks must take the same decision"
     assert gbps > 0
-    assert min_bytes == (never if gbps > fast else 1 << 20)
+    assert min_bytes == (never if gbps > fast else break_even)
+    assert 0 < break_even < never

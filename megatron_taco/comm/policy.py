@@ -1,12 +1,13 @@
 """Decide, per process group, whether compression pays: measure the link once.
 
-Compression costs codec time (a pass over the data at close to memory bandwidth)
-and saves about half the wire time. On NVLink-class links the saving is smaller
-than the codec cost, on PCIe/host-memory and Ethernet-class links it is much
-larger (benchmarks/results/collectives.md). ``auto_options`` times one plain
-all-gather on the group and turns compression off when the measured bus
-bandwidth is above ``FAST_LINK_GBPS``; every rank takes the same decision (the
-slowest rank's time is used).
+Compression costs a fixed overhead per collective plus codec time, and saves
+about half the wire time. On NVLink-class links the saving is smaller than the
+cost; on PCIe/host-memory and Ethernet-class links it is larger for messages
+above a break-even size (benchmarks/results/collectives.md). ``auto_options``
+times one plain all-gather on the group, turns compression off above
+``FAST_LINK_GBPS`` and otherwise sets ``min_bytes`` to the break-even size
+``overhead * bandwidth / saved fraction``. Every rank takes the same decision
+(the slowest rank's time is used).
 """
 
 from __future__ import annotations
@@ -19,9 +20,13 @@ import torch.distributed as dist
 
 from megatron_taco.comm.collectives import CommOptions
 
-# Bus bandwidth above which compressed collectives were slower than NCCL bf16 in
-# benchmarks/results/collectives.md (2 x H200: NVLink ~200+ GB/s loses, host memory ~20 GB/s wins).
+# Measured on 2 x H200 (benchmarks/results/collectives.md): the probe reads ~118 GB/s on NVLink,
+# where compression lost at every size, ~23 GB/s over host memory and ~2.7 GB/s over sockets,
+# where it won from 64 MiB and 4 MiB on. A compressed collective costs ~0.6 ms more than the
+# plain one at small sizes (fixed per-call cost), and saves 1 - 1/1.94 of the wire bytes.
 FAST_LINK_GBPS = 60.0
+FIXED_OVERHEAD_S = 0.6e-3
+SAVED_FRACTION = 1 - 1 / 1.94
 NEVER = 1 << 62
 
 
@@ -45,12 +50,17 @@ def measure_bus_bandwidth(group: Optional[dist.ProcessGroup], device: torch.devi
     return out.numel() * (world - 1) / world / float(slowest) / 1e9
 
 
+def break_even_bytes(gbps: float) -> int:
+    """Smallest message (uncompressed bytes) whose wire-time saving covers the fixed overhead."""
+    return int(FIXED_OVERHEAD_S * gbps * 1e9 / SAVED_FRACTION)
+
+
 def auto_options(
     group: Optional[dist.ProcessGroup],
     device: torch.device,
-    min_bytes: int = 1 << 20,
     chunk_bytes: int = CommOptions().chunk_bytes,
 ) -> "tuple[CommOptions, float]":
-    """(options, measured GB/s): compression on for messages >= min_bytes on slow links, off on fast ones."""
+    """(options, measured GB/s): compression off on fast links, on above the break-even size otherwise."""
     gbps = measure_bus_bandwidth(group, device)
-    return CommOptions(min_bytes=NEVER if gbps > FAST_LINK_GBPS else min_bytes, chunk_bytes=chunk_bytes), gbps
+    min_bytes = NEVER if gbps > FAST_LINK_GBPS else break_even_bytes(gbps)
+    return CommOptions(min_bytes=min_bytes, chunk_bytes=chunk_bytes), gbps

@@ -31,7 +31,7 @@ from megatron_taco.codec.format import NAN_CODE, CodecSettings, header_words
 _SCALE_MODE_IDS = {"fp32": 0, "dual": 1, "e8m0": 2}
 # GPU launch shape: elements per program (BLOCK_G = tile // G) and warps, per kernel.
 # Chosen from the sweep in benchmarks/kernels.py (see benchmarks/results/kernels.md).
-LAUNCH_CONFIG = {"compress": (4096, 8), "decompress_sum": (4096, 8)}
+LAUNCH_CONFIG = {"compress": (2048, 2), "decompress_sum": (1024, 2)}
 
 
 @triton.jit
