@@ -6,6 +6,7 @@ from megatron_taco.comm.collectives import (
     Handle,
     all_gather,
     all_reduce,
+    compresses,
     reduce_scatter,
 )
 from megatron_taco.comm.handshake import SettingsMismatchError
@@ -17,5 +18,6 @@ __all__ = [
     "SettingsMismatchError",
     "all_gather",
     "all_reduce",
+    "compresses",
     "reduce_scatter",
 ]

@@ -70,9 +70,14 @@ def _world(group: Optional[dist.ProcessGroup]) -> int:
     return dist.get_world_size(group)
 
 
+def compresses(x: torch.Tensor, codec: Optional[TacoCodec], options: CommOptions) -> bool:
+    """Whether a collective of input ``x`` goes compressed (codec given and x above the threshold)."""
+    return codec is not None and x.numel() > 0 and x.numel() * x.element_size() >= options.min_bytes
+
+
 def _compresses(x: torch.Tensor, group, codec: Optional[TacoCodec], options: CommOptions) -> bool:
     ensure_same_settings(group, codec, options.min_bytes, x.device)
-    return codec is not None and x.numel() * x.element_size() >= options.min_bytes and x.numel() > 0
+    return compresses(x, codec, options)
 
 
 def _row_pieces(rows: int, row_bytes: int, options: CommOptions, on_cuda: bool) -> List[Tuple[int, int]]:

@@ -71,6 +71,13 @@ def transformer_layer_spec(
     )
 
 
+def taco_layer_spec() -> ModuleSpec:
+    """The same layer with TACO's compressed-communication linears (stock behaviour until attached)."""
+    from megatron_taco.megatron.taco_linears import TacoColumnParallelLinear, TacoRowParallelLinear
+
+    return transformer_layer_spec(TacoColumnParallelLinear, TacoRowParallelLinear)
+
+
 def decoder_block_spec(
     config: TransformerConfig, layer_spec: ModuleSpec, vp_stage: Optional[int] = None
 ) -> TransformerBlockSubmodules:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -58,7 +59,9 @@ def _rank_main(
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(backend, rank=rank, world_size=world_size)
         value = fn(*args, **kwargs)
-        results.put((rank, "ok", value))
+        # Plain pickle (tensor storages by value): torch's queue reducer would pass shared-memory
+        # handles that vanish when this process exits before the parent reads them.
+        results.put((rank, "ok", pickle.dumps(value)))
     except BaseException:  # report everything, including SystemExit from argparse
         results.put((rank, "error", traceback.format_exc()))
     finally:
@@ -118,7 +121,10 @@ def run_distributed(
                 if r not in values and r not in errors:
                     errors[r] = f"process exited with code {procs[r].exitcode} without a result"
             continue
-        (values if status == "ok" else errors)[rank] = value
+        if status == "ok":
+            values[rank] = pickle.loads(value)
+        else:
+            errors[rank] = value
 
     for proc in procs:
         proc.join(timeout=0.5 if (errors or len(values) < world_size) else 30)

@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from megatron_taco.config.taco import TacoConfigError, add_taco_args, taco_config_from_args
+from megatron_taco.megatron.telemetry import TELEMETRY
 from megatron_taco.training.data import synthetic_batches
 from megatron_taco.training.loop import Trainer, TrainConfig, init_distributed
 from megatron_taco.training.model import ModelShape
@@ -60,9 +62,13 @@ def _apply_config_defaults(parser: argparse.ArgumentParser, argv: List[str]) -> 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else argv
-    parser = add_training_args(argparse.ArgumentParser(description=__doc__))
+    parser = add_taco_args(add_training_args(argparse.ArgumentParser(description=__doc__)))
     model = _apply_config_defaults(parser, argv)
     args = parser.parse_args(argv)
+    try:
+        args.taco = taco_config_from_args(args)
+    except TacoConfigError as exc:
+        parser.error(str(exc))
     if not model:
         parser.error("--config with a model section is required")
     try:
@@ -81,6 +87,18 @@ def _num_microbatches(args: argparse.Namespace, data_parallel: int) -> int:
             f"data-parallel size = {args.micro_batch_size} x {data_parallel}"
         )
     return global_batch // per_step
+
+
+def _ranges(numbers: List[int]) -> str:
+    """[1, 2, 3, 7] -> '1-3,7'."""
+    parts, start = [], None
+    for i, n in enumerate(numbers):
+        if start is None:
+            start = n
+        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
+            parts.append(f"{start}-{n}" if n != start else f"{n}")
+            start = None
+    return ",".join(parts) or "none"
 
 
 def _log(message: str) -> None:
@@ -105,6 +123,7 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
         clip_grad=args.clip_grad,
         dtype=args.dtype,
         seed=args.seed,
+        taco=args.taco,
     )
     trainer = Trainer(cfg)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -113,6 +132,10 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
         f"PP {cfg.pipeline_parallel} DP {data_parallel} SP {cfg.sequence_parallel} on {device}, "
         f"{cfg.num_microbatches} micro-batches of {cfg.micro_batch_size} x {cfg.shape.seq_length} tokens"
     )
+    if args.taco.enabled:
+        layers = {name: _ranges(numbers) for name, numbers in trainer.taco_layers.items()}
+        _log(f"TACO {args.taco.default.mode} on this rank's layers {layers}; "
+             f"min-bytes {'auto' if args.taco.min_bytes is None else args.taco.min_bytes}")
     data = synthetic_batches(cfg.shape.vocab_size, cfg.shape.seq_length, cfg.micro_batch_size,
                              seed=args.seed, data_parallel_rank=trainer.data_parallel_rank)
     tokens_per_step = cfg.micro_batch_size * cfg.num_microbatches * data_parallel * cfg.shape.seq_length
@@ -129,6 +152,10 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
                     f"grad norm {stats['grad_norm']:.3f} | {tokens_per_step / elapsed:.0f} tokens/s"
                     + (" | skipped" if stats["skipped"] else "")
                 )
+            if args.taco.enabled and args.taco.log_interval and step % args.taco.log_interval == 0:
+                for line in TELEMETRY.format_lines():
+                    _log(line)
+                TELEMETRY.reset()
     finally:
         trainer.close()
     return losses

@@ -28,7 +28,10 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_taco.megatron.cpu_runtime import cpu_config_overrides, enable_cpu_runtime
-from megatron_taco.megatron.specs import LOCAL_SPEC_CONFIG
+from megatron_taco.config.taco import TacoConfig
+from megatron_taco.megatron.attach import attach_taco
+from megatron_taco.megatron.specs import LOCAL_SPEC_CONFIG, taco_layer_spec
+from megatron_taco.megatron.telemetry import TELEMETRY
 from megatron_taco.training.model import ModelShape, build_gpt_model, make_transformer_config
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,6 +53,7 @@ class TrainConfig:
     dtype: str = "fp32"
     dropout: float = 0.0
     seed: int = 1234
+    taco: Optional[TacoConfig] = None  # None: stock megatron-core linears
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -113,7 +117,12 @@ class Trainer:
             dropout=cfg.dropout,
             extra={**LOCAL_SPEC_CONFIG, **({} if on_gpu else cpu_config_overrides())},
         )
+        if layer_spec is None and cfg.taco is not None:
+            layer_spec = taco_layer_spec()
         module = build_gpt_model(cfg.shape, self.config, layer_spec, seed=cfg.seed).to(self.device)
+        self.taco_layers = attach_taco([module], cfg.taco) if cfg.taco is not None else {}
+        if cfg.taco is not None:
+            TELEMETRY.error_sample_interval = cfg.taco.error_sample_interval
         if dtype != torch.float32:  # Megatron's mixed precision: half params, fp32 logits and main params
             module = Float16Module(self.config, module)
         ddp_config = DistributedDataParallelConfig(

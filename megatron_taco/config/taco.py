@@ -1,0 +1,221 @@
+"""TACO flags -> one validated config object that answers "how is this linear's traffic compressed?".
+
+Every ``--taco-*`` flag is checked at start-up; an invalid value raises
+:class:`TacoConfigError` naming the flag and the value.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
+
+MODES = ("none", "fp8", "fp8-ash")
+LINEARS = ("qkv", "proj", "fc1", "fc2")
+DIRECTIONS = ("fwd", "bwd", "both")
+BACKENDS = ("auto", "torch", "triton", "te")
+SCALES = ("fp32", "dual", "e8m0")
+FORMATS = ("e4m3", "e5m2")
+GROUP_SIZES = (32, 64, 128, 256)
+_SIZE_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+class TacoConfigError(ValueError):
+    """An invalid --taco-* flag value (the message names the flag)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearSettings:
+    """Compression of one linear's TP traffic (what a layer range resolves to)."""
+
+    mode: str = "none"
+    linears: FrozenSet[str] = frozenset(LINEARS)
+    direction: str = "both"
+    group_size: int = 128
+    fmt: str = "e4m3"
+    scales: str = "fp32"
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "none"
+
+    def compresses(self, linear: str, direction: str) -> bool:
+        return self.enabled and linear in self.linears and self.direction in (direction, "both")
+
+    @property
+    def transform(self) -> str:
+        return "ash" if self.mode == "fp8-ash" else "none"
+
+
+@dataclasses.dataclass(frozen=True)
+class TacoConfig:
+    """All TACO settings of a run. ``layers``: ranges of 1-based global layer numbers (None = all)."""
+
+    default: LinearSettings = LinearSettings()
+    layers: Optional[Tuple[Tuple[int, int], ...]] = None
+    overrides: Tuple[Tuple[Tuple[Tuple[int, int], ...], LinearSettings], ...] = ()
+    min_bytes: Optional[int] = None  # None: measure the link (comm.policy.auto_options)
+    chunk_bytes: int = 128 << 20
+    backend: str = "auto"
+    log_interval: int = 10
+    error_sample_interval: int = 10
+
+    @property
+    def enabled(self) -> bool:
+        return self.default.enabled or any(s.enabled for _, s in self.overrides)
+
+    def for_layer(self, layer_number: int) -> LinearSettings:
+        """Settings of a 1-based global layer: the last matching override, else the default if selected."""
+        for ranges, settings in reversed(self.overrides):
+            if _in_ranges(layer_number, ranges):
+                return settings
+        if self.layers is None or _in_ranges(layer_number, self.layers):
+            return self.default
+        return dataclasses.replace(self.default, mode="none")
+
+    def check_layers(self, num_layers: int) -> None:
+        """Fail when a layer range names layers the model does not have."""
+        for flag, ranges in [("--taco-layers", self.layers or ())] + [
+            ("--taco-override", r) for r, _ in self.overrides
+        ]:
+            for start, end in ranges:
+                if end > num_layers:
+                    raise TacoConfigError(f"{flag}: layer range {start}-{end} exceeds the model's {num_layers} layers")
+
+
+def _in_ranges(layer: int, ranges: Sequence[Tuple[int, int]]) -> bool:
+    return any(start <= layer <= end for start, end in ranges)
+
+
+def parse_layer_ranges(text: str, flag: str) -> Optional[Tuple[Tuple[int, int], ...]]:
+    """'all' -> None; '1-4,9,11-12' -> ((1, 4), (9, 9), (11, 12)). Layers are 1-based."""
+    text = text.strip()
+    if text == "all":
+        return None
+    ranges = []
+    for part in text.split(","):
+        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+))?\s*", part)
+        if not match:
+            raise TacoConfigError(f"{flag}: invalid layer range {part!r} in {text!r} (use e.g. 'all' or '1-4,9-12')")
+        start = int(match.group(1))
+        end = int(match.group(2) or start)
+        if start < 1 or end < start:
+            raise TacoConfigError(f"{flag}: invalid layer range {part.strip()!r}: layers are 1-based and start <= end")
+        ranges.append((start, end))
+    return tuple(ranges)
+
+
+def parse_bytes(text: str, flag: str) -> int:
+    match = re.fullmatch(r"\s*(\d+)\s*([KMG]?)(?:i?B)?\s*", str(text), flags=re.IGNORECASE)
+    if not match:
+        raise TacoConfigError(f"{flag}: invalid size {text!r} (use bytes, or a number with K, M or G)")
+    return int(match.group(1)) * _SIZE_SUFFIX[match.group(2).upper()]
+
+
+def _choice(value, choices, flag: str):
+    if value not in choices:
+        raise TacoConfigError(f"{flag}: invalid value {value!r}; choose from {', '.join(map(str, choices))}")
+    return value
+
+
+def _parse_linears(text: str, flag: str) -> FrozenSet[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise TacoConfigError(f"{flag}: empty list of linears; choose from {', '.join(LINEARS)}")
+    for name in names:
+        _choice(name, LINEARS, flag)
+    return frozenset(names)
+
+
+_OVERRIDE_KEYS = {
+    "mode": lambda v, f: _choice(v, MODES, f),
+    "linears": lambda v, f: _parse_linears(v.replace("+", ","), f),
+    "direction": lambda v, f: _choice(v, DIRECTIONS, f),
+    "group_size": lambda v, f: _choice(int(v) if v.isdigit() else v, GROUP_SIZES, f),
+    "fmt": lambda v, f: _choice(v, FORMATS, f),
+    "scales": lambda v, f: _choice(v, SCALES, f),
+}
+
+
+def _parse_override(text: str, base: LinearSettings) -> Tuple[Tuple[Tuple[int, int], ...], LinearSettings]:
+    """'9-12:mode=none' or '1-2:group_size=64,fmt=e5m2' (linears joined with '+': 'linears=fc1+fc2')."""
+    flag = "--taco-override"
+    if ":" not in text:
+        raise TacoConfigError(f"{flag}: invalid value {text!r}; use RANGES:key=value[,key=value] e.g. '1-2:mode=none'")
+    range_text, settings_text = text.split(":", 1)
+    ranges = parse_layer_ranges(range_text, flag) or ((1, 1 << 30),)
+    changes: Dict[str, object] = {}
+    for item in settings_text.split(","):
+        if "=" not in item:
+            raise TacoConfigError(f"{flag}: invalid setting {item!r} in {text!r}; use key=value")
+        key, value = (s.strip() for s in item.split("=", 1))
+        if key not in _OVERRIDE_KEYS:
+            raise TacoConfigError(f"{flag}: unknown key {key!r} in {text!r}; keys: {', '.join(_OVERRIDE_KEYS)}")
+        changes[key] = _OVERRIDE_KEYS[key](value, f"{flag} {key}")
+    return ranges, dataclasses.replace(base, **changes)
+
+
+def add_taco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The --taco-* flags; usable as (part of) a Megatron-LM ``extra_args_provider``."""
+    group = parser.add_argument_group("TACO: compressed tensor-parallel communication")
+    group.add_argument("--taco-mode", default="none",
+                       help="none | fp8 (per-group FP8) | fp8-ash (Adaptive Scale-Hadamard + FP8). Default: none")
+    group.add_argument("--taco-layers", default="all", help="layers to compress: 'all' or ranges like '1-4,9-12'")
+    group.add_argument("--taco-linears", default="qkv,proj,fc1,fc2",
+                       help="which linears' traffic: any of qkv, proj, fc1, fc2 (comma-separated)")
+    group.add_argument("--taco-direction", default="both", help="fwd | bwd | both (backward = gradient traffic)")
+    group.add_argument("--taco-group-size", default="128", help="elements per scale group: 32, 64, 128 or 256")
+    group.add_argument("--taco-fp8-format", default="e4m3", help="e4m3 (default) or e5m2")
+    group.add_argument("--taco-scales", default="fp32", help="fp32 (one folded scale), dual (paper), e8m0")
+    group.add_argument("--taco-override", action="append", default=[],
+                       help="per-range settings, repeatable: 'RANGES:key=value,...', keys mode, linears, direction, "
+                            "group_size, fmt, scales; e.g. '1-2:mode=none'")
+    group.add_argument("--taco-min-bytes", default="auto",
+                       help="messages below this many bytes go uncompressed; 'auto' measures the link once per "
+                            "group (off on NVLink-class links). Accepts K/M/G suffixes")
+    group.add_argument("--taco-chunk-bytes", default="128M", help="pipelining piece size for large messages (0: off)")
+    group.add_argument("--taco-backend", default="auto",
+                       help="auto (Triton kernels on GPU), torch (reference), triton, te (Transformer Engine casts)")
+    group.add_argument("--taco-log-interval", default="10", help="steps between telemetry log lines (0: off)")
+    group.add_argument("--taco-error-sample-interval", default="10",
+                       help="measure the codec's relative error on every Nth message per linear (0: never)")
+    return parser
+
+
+def _positive_int(value, flag: str, minimum: int = 0) -> int:
+    try:
+        number = int(value)
+    except (TypeError, ValueError):
+        raise TacoConfigError(f"{flag}: invalid value {value!r}; expected an integer >= {minimum}") from None
+    if number < minimum:
+        raise TacoConfigError(f"{flag}: invalid value {value!r}; expected an integer >= {minimum}")
+    return number
+
+
+def taco_config_from_args(args: argparse.Namespace) -> TacoConfig:
+    """Validate the parsed --taco-* flags into a :class:`TacoConfig`."""
+    default = LinearSettings(
+        mode=_choice(args.taco_mode, MODES, "--taco-mode"),
+        linears=_parse_linears(args.taco_linears, "--taco-linears"),
+        direction=_choice(args.taco_direction, DIRECTIONS, "--taco-direction"),
+        group_size=_choice(_positive_int(args.taco_group_size, "--taco-group-size", 1), GROUP_SIZES,
+                           "--taco-group-size"),
+        fmt=_choice(args.taco_fp8_format, FORMATS, "--taco-fp8-format"),
+        scales=_choice(args.taco_scales, SCALES, "--taco-scales"),
+    )
+    if default.scales == "dual" and default.mode == "fp8":
+        raise TacoConfigError("--taco-scales dual stores the adaptive scale of --taco-mode fp8-ash; use fp32 or e8m0")
+    overrides: List = [_parse_override(text, default) for text in args.taco_override]
+    min_bytes = None if str(args.taco_min_bytes).strip() == "auto" else parse_bytes(args.taco_min_bytes,
+                                                                                   "--taco-min-bytes")
+    return TacoConfig(
+        default=default,
+        layers=parse_layer_ranges(args.taco_layers, "--taco-layers"),
+        overrides=tuple(overrides),
+        min_bytes=min_bytes,
+        chunk_bytes=parse_bytes(args.taco_chunk_bytes, "--taco-chunk-bytes"),
+        backend=_choice(args.taco_backend, BACKENDS, "--taco-backend"),
+        log_interval=_positive_int(args.taco_log_interval, "--taco-log-interval"),
+        error_sample_interval=_positive_int(args.taco_error_sample_interval, "--taco-error-sample-interval"),
+    )

@@ -1,0 +1,158 @@
+"""Column/RowParallelLinear subclasses whose TP traffic goes through ``megatron_taco.comm``.
+
+Placed in the layer spec (:func:`megatron_taco.megatron.specs.transformer_layer_spec`),
+they behave exactly like megatron-core's linears until a :class:`LinearCompression`
+is attached (``attach.attach_taco``). Then:
+
+=====================  ============================  ===============================
+linear                 forward                       backward
+=====================  ============================  ===============================
+Column, SP             all-gather of the input       reduce-scatter of the input grad
+Column, no SP          (identity)                    all-reduce of the input grad
+Row, SP                reduce-scatter of the output  all-gather of the output grad
+Row, no SP             all-reduce of the output      (identity)
+=====================  ============================  ===============================
+
+Each direction is compressed with its own codec, or not (None). The
+configuration object is captured in the autograd ``ctx``, so backward uses the
+settings of the forward that produced it. The stock ``_forward_impl`` still does
+the matrix multiply (and weight-gradient accumulation); the wrappers only take
+the communication out of it. The column SP path keeps the gathered input for
+the weight gradient instead of re-gathering it in backward (more activation
+memory, one collective less).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+from megatron_taco import comm
+from megatron_taco.codec import TacoCodec
+from megatron_taco.comm.policy import auto_options
+from megatron_taco.megatron.telemetry import TELEMETRY
+
+_AUTO_OPTIONS: dict = {}
+
+
+@dataclasses.dataclass
+class LinearCompression:
+    """How one linear's traffic is compressed. ``min_bytes=None``: measured per group on first use."""
+
+    name: str
+    fwd_codec: Optional[TacoCodec]
+    bwd_codec: Optional[TacoCodec]
+    min_bytes: Optional[int]
+    chunk_bytes: int
+
+    def options(self, group: dist.ProcessGroup, device: torch.device) -> comm.CommOptions:
+        if self.min_bytes is not None:
+            return comm.CommOptions(min_bytes=self.min_bytes, chunk_bytes=self.chunk_bytes)
+        key = (tuple(dist.get_process_group_ranks(group)), self.chunk_bytes)
+        if key not in _AUTO_OPTIONS:
+            _AUTO_OPTIONS[key] = auto_options(group, device, chunk_bytes=self.chunk_bytes)[0]
+        return _AUTO_OPTIONS[key]
+
+
+def _run(kind: str, x: torch.Tensor, group, codec: Optional[TacoCodec], cfg: LinearCompression, direction: str):
+    options = cfg.options(group, x.device)
+    TELEMETRY.record((cfg.name, kind, direction), x, codec, comm.compresses(x, codec, options))
+    return getattr(comm, kind)(x, group, codec, options)
+
+
+class _GatherFromSequenceParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, cfg: LinearCompression):
+        ctx.group, ctx.cfg = group, cfg
+        return _run("all_gather", x, group, cfg.fwd_codec, cfg, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _run("reduce_scatter", grad, ctx.group, ctx.cfg.bwd_codec, ctx.cfg, "bwd"), None, None
+
+
+class _ReduceScatterToSequenceParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, cfg: LinearCompression):
+        ctx.group, ctx.cfg = group, cfg
+        return _run("reduce_scatter", x, group, cfg.fwd_codec, cfg, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _run("all_gather", grad, ctx.group, ctx.cfg.bwd_codec, ctx.cfg, "bwd"), None, None
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, cfg: LinearCompression):
+        ctx.group, ctx.cfg = group, cfg
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _run("all_reduce", grad, ctx.group, ctx.cfg.bwd_codec, ctx.cfg, "bwd"), None, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, cfg: LinearCompression):
+        return _run("all_reduce", x, group, cfg.fwd_codec, cfg, "fwd")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+class TacoColumnParallelLinear(ColumnParallelLinear):
+    """ColumnParallelLinear whose input gather / input-grad reduction can be compressed."""
+
+    taco: Optional[LinearCompression] = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._stock_forward_impl = self._forward_impl
+        self._forward_impl = self._taco_forward_impl
+
+    def _taco_forward_impl(self, input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        cfg = self.taco
+        if cfg is None:
+            return self._stock_forward_impl(input=input, **kwargs)
+        if kwargs.get("sequence_parallel"):
+            input = _GatherFromSequenceParallel.apply(input, self.tp_group, cfg)
+        elif kwargs.get("allreduce_dgrad"):
+            input = _CopyToTensorParallel.apply(input, self.tp_group, cfg)
+        kwargs.update(sequence_parallel=False, allreduce_dgrad=False)
+        return self._stock_forward_impl(input=input, **kwargs)
+
+
+class TacoRowParallelLinear(RowParallelLinear):
+    """RowParallelLinear whose output reduce-scatter / all-reduce can be compressed."""
+
+    taco: Optional[LinearCompression] = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._stock_explicit_expert_comm = self.explicit_expert_comm
+        self._stock_forward_impl = self._forward_impl
+        self._forward_impl = self._taco_forward_impl
+
+    def set_taco(self, cfg: Optional[LinearCompression]) -> None:
+        """Attach (or detach with None). With TACO the stock forward must skip its own reduction:
+        ``explicit_expert_comm`` is the switch megatron-core's forward reads for that."""
+        if cfg is not None and not self.skip_bias_add:
+            raise ValueError("TacoRowParallelLinear needs skip_bias_add=True (the bias is added after the reduction)")
+        self.taco = cfg
+        self.explicit_expert_comm = True if cfg is not None else self._stock_explicit_expert_comm
+
+    def _taco_forward_impl(self, input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        output = self._stock_forward_impl(input=input, **kwargs)
+        cfg = self.taco
+        if cfg is None:
+            return output
+        if self.sequence_parallel:
+            return _ReduceScatterToSequenceParallel.apply(output, self.tp_group, cfg)
+        return _ReduceFromTensorParallel.apply(output, self.tp_group, cfg)

@@ -1,0 +1,101 @@
+"""Per-layer TACO telemetry: bytes before/after compression and sampled codec error.
+
+Every compressed-linear collective records its uncompressed payload bytes and
+the bytes it put on the wire (the compressed message, or the payload when the
+message went uncompressed); every Nth message per (linear, collective) also
+measures the codec's relative L2 error on the local payload (a local round
+trip: no extra communication). ``TELEMETRY`` is the process-wide instance the
+trainer logs every ``--taco-log-interval`` steps.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from megatron_taco.codec import TacoCodec
+
+
+@dataclasses.dataclass
+class TrafficRecord:
+    calls: int = 0
+    compressed_calls: int = 0
+    payload_bytes: int = 0
+    wire_bytes: int = 0
+    error_sum: float = 0.0
+    error_samples: int = 0
+
+    @property
+    def mean_error(self) -> Optional[float]:
+        return self.error_sum / self.error_samples if self.error_samples else None
+
+
+Key = Tuple[str, str, str]  # (linear name, collective, direction)
+
+
+class TacoTelemetry:
+    def __init__(self) -> None:
+        self.records: Dict[Key, TrafficRecord] = collections.defaultdict(TrafficRecord)
+        self.error_sample_interval = 10
+
+    def record(self, key: Key, payload: torch.Tensor, codec: Optional[TacoCodec], compressed: bool) -> None:
+        rec = self.records[key]
+        rec.calls += 1
+        nbytes = payload.numel() * payload.element_size()
+        rec.payload_bytes += nbytes
+        if compressed:
+            rec.compressed_calls += 1
+            rec.wire_bytes += codec.compressed_nbytes(payload.numel())
+            interval = self.error_sample_interval
+            if interval and rec.compressed_calls % interval == 1 % interval:
+                with torch.no_grad():
+                    decoded = codec.decompress(codec.compress(payload), payload.shape, torch.float32, validate=False)
+                    ref = payload.float()
+                    rec.error_sum += float((decoded - ref).norm() / ref.norm().clamp_min(1e-30))
+                rec.error_samples += 1
+        else:
+            rec.wire_bytes += nbytes
+
+    def reset(self) -> None:
+        self.records.clear()
+
+    def totals(self) -> Tuple[int, int]:
+        payload = sum(r.payload_bytes for r in self.records.values())
+        wire = sum(r.wire_bytes for r in self.records.values())
+        return payload, wire
+
+    def format_lines(self) -> List[str]:
+        """One line per layer (its linears and collectives together) plus a total, for the training log."""
+        by_layer: Dict[str, TrafficRecord] = collections.defaultdict(TrafficRecord)
+        for (name, _, _), rec in self.records.items():
+            layer = name.rsplit(" ", 1)[0]
+            agg = by_layer[layer]
+            for field in dataclasses.fields(TrafficRecord):
+                setattr(agg, field.name, getattr(agg, field.name) + getattr(rec, field.name))
+        lines = []
+        for layer, rec in sorted(by_layer.items(), key=lambda item: int(item[0].split()[-1])):
+            err = f"{rec.mean_error:.4f}" if rec.mean_error is not None else "-"
+            lines.append(
+                f"taco {layer}: {rec.compressed_calls}/{rec.calls} messages compressed, "
+                f"{rec.payload_bytes / 2**20:.2f} MiB -> {rec.wire_bytes / 2**20:.2f} MiB "
+                f"({rec.payload_bytes / max(rec.wire_bytes, 1):.2f}x), sampled rel.err {err}"
+            )
+        payload, wire = self.totals()
+        if payload:
+            lines.append(f"taco total: {payload / 2**20:.2f} MiB -> {wire / 2**20:.2f} MiB ({payload / wire:.2f}x)")
+        return lines
+
+    def write_tensorboard(self, writer, step: int) -> None:
+        """Scalars per linear and collective (writer: a torch.utils.tensorboard SummaryWriter)."""
+        for (name, collective, direction), rec in self.records.items():
+            tag = f"taco/{name.replace(' ', '_')}/{collective}_{direction}"
+            writer.add_scalar(f"{tag}/payload_MiB", rec.payload_bytes / 2**20, step)
+            writer.add_scalar(f"{tag}/wire_MiB", rec.wire_bytes / 2**20, step)
+            if rec.mean_error is not None:
+                writer.add_scalar(f"{tag}/rel_error", rec.mean_error, step)
+
+
+TELEMETRY = TacoTelemetry()
