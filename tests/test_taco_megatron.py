@@ -215,9 +215,10 @@ def _parse(argv):
 def test_invalid_flags_name_the_flag_and_value(argv, flag):
     with pytest.raises(TacoConfigError) as info:
         _parse(argv)
-    assert flag in str(info.value)
-    if argv[-1]:
-        assert argv[-1].split(":")[-1].split("=")[-1] in str(info.value) or argv[-1] in str(info.value)
+    message = str(info.value)
+    assert message.startswith(flag), message
+    bad_value = argv[-1].split(",")[-1].split(":")[-1].split("=")[-1]
+    assert bad_value in message, message
 
 
 def test_valid_flags_resolve_per_layer():

@@ -8,6 +8,7 @@ flag values with ``_`` for ``-``); flags given on the command line win.
 from __future__ import annotations
 
 import argparse
+import pathlib
 import sys
 import time
 from typing import Any, Dict, List, Optional
@@ -18,7 +19,7 @@ import yaml
 
 from megatron_taco.config.taco import TacoConfigError, add_taco_args, taco_config_from_args
 from megatron_taco.megatron.telemetry import TELEMETRY
-from megatron_taco.training.data import synthetic_batches
+from megatron_taco.training.data import byte_text_batches, stdlib_text_files, synthetic_batches
 from megatron_taco.training.loop import Trainer, TrainConfig, init_distributed
 from megatron_taco.training.model import ModelShape
 
@@ -39,6 +40,12 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     group.add_argument("--seed", type=int, default=1234)
     group.add_argument("--log-interval", type=int, default=1)
+    group.add_argument("--data", default="synthetic",
+                       help="synthetic (a learnable token stream), stdlib (the Python standard library's sources, "
+                            "byte-level) or a directory of text files (byte-level)")
+    group.add_argument("--eval-interval", type=int, default=0, help="steps between validation runs (0: only at the end "
+                       "when --eval-iters > 0)")
+    group.add_argument("--eval-iters", type=int, default=0, help="validation steps per evaluation")
     return parser
 
 
@@ -76,6 +83,30 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     except (TypeError, ValueError) as exc:
         parser.error(f"{args.config}: model section: {exc}")
     return args
+
+
+def make_data(source: str, cfg: TrainConfig, seed: int, data_parallel_rank: int):
+    """(train iterator, validation iterator or None) for --data."""
+    shape = cfg.shape
+    if source == "synthetic":
+        train = synthetic_batches(shape.vocab_size, shape.seq_length, cfg.micro_batch_size, seed, data_parallel_rank)
+        valid = synthetic_batches(shape.vocab_size, shape.seq_length, cfg.micro_batch_size, seed + 1, data_parallel_rank)
+        return train, valid
+    if shape.vocab_size < 256:
+        raise ValueError(f"--data {source} is byte-level text: the model's vocab_size must be >= 256, got {shape.vocab_size}")
+    if source == "stdlib":
+        train_files, valid_files = stdlib_text_files()
+    else:
+        root = pathlib.Path(source)
+        if not root.exists():
+            raise ValueError(f"--data {source}: no such file or directory")
+        files = sorted(p for p in (root.rglob("*") if root.is_dir() else [root]) if p.is_file())
+        if len(files) < 2:
+            raise ValueError(f"--data {source}: need at least 2 text files (one is held out for validation)")
+        train_files, valid_files = files[1:], files[:1]
+    train = byte_text_batches(train_files, shape.seq_length, cfg.micro_batch_size, seed, data_parallel_rank)
+    valid = byte_text_batches(valid_files, shape.seq_length, cfg.micro_batch_size, seed + 1, data_parallel_rank)
+    return train, valid
 
 
 def _num_microbatches(args: argparse.Namespace, data_parallel: int) -> int:
@@ -136,8 +167,7 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
         layers = {name: _ranges(numbers) for name, numbers in trainer.taco_layers.items()}
         _log(f"TACO {args.taco.default.mode} on this rank's layers {layers}; "
              f"min-bytes {'auto' if args.taco.min_bytes is None else args.taco.min_bytes}")
-    data = synthetic_batches(cfg.shape.vocab_size, cfg.shape.seq_length, cfg.micro_batch_size,
-                             seed=args.seed, data_parallel_rank=trainer.data_parallel_rank)
+    data, valid = make_data(args.data, cfg, args.seed, trainer.data_parallel_rank)
     tokens_per_step = cfg.micro_batch_size * cfg.num_microbatches * data_parallel * cfg.shape.seq_length
     losses = []
     try:
@@ -152,6 +182,10 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
                     f"grad norm {stats['grad_norm']:.3f} | {tokens_per_step / elapsed:.0f} tokens/s"
                     + (" | skipped" if stats["skipped"] else "")
                 )
+            if valid is not None and args.eval_iters and (
+                (args.eval_interval and step % args.eval_interval == 0) or step == args.train_iters
+            ):
+                _log(f"validation at step {step} | loss {trainer.evaluate(valid, args.eval_iters):.4f}")
             if args.taco.enabled and args.taco.log_interval and step % args.taco.log_interval == 0:
                 for line in TELEMETRY.format_lines():
                     _log(line)

@@ -172,10 +172,34 @@ class Trainer:
         )
         updated, grad_norm, _ = self.optimizer.step()
         self.step_count += 1
+        return {
+            "loss": self._share_loss(losses),
+            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+            "skipped": not updated,
+        }
+
+    @torch.no_grad()
+    def evaluate(self, data_iterator: Iterator[Dict[str, torch.Tensor]], iters: int) -> float:
+        """Mean loss over ``iters`` forward-only steps (every rank gets the value)."""
+        total = 0.0
+        for _ in range(iters):
+            losses = get_forward_backward_func()(
+                forward_step_func=self._forward_step,
+                data_iterator=data_iterator,
+                model=[self.model],
+                num_microbatches=self.cfg.num_microbatches,
+                seq_length=self.cfg.shape.seq_length,
+                micro_batch_size=self.cfg.micro_batch_size,
+                forward_only=True,
+            )
+            total += self._share_loss(losses)
+        return total / iters
+
+    def _share_loss(self, losses) -> float:
+        """The last stage's mean micro-batch loss, averaged over DP, on every rank."""
         loss = torch.zeros(1, dtype=torch.float64, device=self.device)
         if parallel_state.is_pipeline_last_stage():
             loss += sum(float(item["lm loss"]) for item in losses) / len(losses)
-        # Average over data-parallel replicas, then share the last stage's value with every stage.
         dist.all_reduce(loss, group=parallel_state.get_data_parallel_group())
         loss /= parallel_state.get_data_parallel_world_size()
         dist.broadcast(
@@ -183,11 +207,7 @@ class Trainer:
             src=parallel_state.get_pipeline_model_parallel_last_rank(),
             group=parallel_state.get_pipeline_model_parallel_group(),
         )
-        return {
-            "loss": float(loss),
-            "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-            "skipped": not updated,
-        }
+        return float(loss)
 
     def close(self) -> None:
         parallel_state.destroy_model_parallel()

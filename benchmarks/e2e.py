@@ -1,0 +1,245 @@
+"""End-to-end evaluation on 2 GPUs: throughput and loss with TACO (and MAPL when given).
+
+    python benchmarks/e2e.py --out-dir benchmarks/results
+
+Throughput: a GPT-style and a Qwen-style model sized so TP traffic matters,
+TP=2 + SP, bf16, uncompressed vs TACO (the default auto link policy, and
+compression forced on), in the three link regimes of DESIGN.md section 5
+(each a fresh NCCL process pair). Steady state: the first steps are warm-up
+and excluded; the median step time of the rest. One profiled step per TACO
+run splits GPU time into codec kernels, NCCL kernels and the rest.
+
+Loss: small GPT and Qwen models on real text (the Python standard library's
+sources, byte-level; validation on held-out files), same seed, data and
+steps: uncompressed vs TACO fp8-ash vs TACO fp8 (no Hadamard).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from megatron_taco.config.taco import LinearSettings, TacoConfig  # noqa: E402
+from megatron_taco.testing.distributed import run_distributed  # noqa: E402
+from megatron_taco.training.data import byte_text_batches, stdlib_text_files, synthetic_batches  # noqa: E402
+from megatron_taco.training.loop import TrainConfig, Trainer  # noqa: E402
+from megatron_taco.training.model import ModelShape  # noqa: E402
+
+REGIMES = {
+    "nvlink": {},
+    "shm": {"NCCL_P2P_DISABLE": "1"},
+    "socket": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"},
+}
+THROUGHPUT_MODELS = {
+    "GPT (4L, h4096, ffn16384, seq2048)": ModelShape(
+        num_layers=4, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=16384, vocab_size=32000,
+        seq_length=2048),
+    "Qwen-style (4L, h3584, GQA 28/4, SwiGLU 18944, seq2048)": ModelShape(
+        num_layers=4, hidden_size=3584, num_attention_heads=28, num_query_groups=4, ffn_hidden_size=18944,
+        vocab_size=32000, seq_length=2048, normalization="RMSNorm", activation="swiglu",
+        position_embedding="rope", rotary_base=1000000, add_bias_linear=False, add_qkv_bias=True, norm_epsilon=1e-6),
+}
+LOSS_MODELS = {
+    "GPT small (6L, h512)": ModelShape(
+        num_layers=6, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048, vocab_size=256, seq_length=512),
+    "Qwen-style small (6L, h512, GQA 8/2)": ModelShape(
+        num_layers=6, hidden_size=512, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=1408,
+        vocab_size=256, seq_length=512, normalization="RMSNorm", activation="swiglu", position_embedding="rope",
+        rotary_base=1000000, add_bias_linear=False, add_qkv_bias=True, norm_epsilon=1e-6),
+}
+TACO_AUTO = TacoConfig(default=LinearSettings(mode="fp8-ash"))  # min_bytes None: the link probe decides
+TACO_FORCED = TacoConfig(default=LinearSettings(mode="fp8-ash"), min_bytes=0)
+LOSS_VARIANTS = {
+    "baseline": None,
+    "TACO fp8-ash": TacoConfig(default=LinearSettings(mode="fp8-ash"), min_bytes=0),
+    "TACO fp8 (no Hadamard)": TacoConfig(default=LinearSettings(mode="fp8"), min_bytes=0),
+}
+
+
+def _gpu_time_split(trainer: Trainer, data) -> dict:
+    """GPU kernel time of one step by category (ms): TACO codec kernels, NCCL, everything else."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        trainer.train_step(data)
+        torch.cuda.synchronize()
+    split = {"codec": 0.0, "nccl": 0.0, "other": 0.0}
+    for event in prof.key_averages():
+        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
+        name = event.key
+        if "compress_kernel" in name or "decompress_sum_kernel" in name:
+            split["codec"] += us / 1e3
+        elif name.lower().startswith("nccl"):
+            split["nccl"] += us / 1e3
+        else:
+            split["other"] += us / 1e3
+    return split
+
+
+def _throughput_worker(steps: int, warmup: int, micro_batches: int):
+    results = []
+    for model_name, shape in THROUGHPUT_MODELS.items():
+        for variant, taco in (("baseline", None), ("TACO auto", TACO_AUTO), ("TACO forced", TACO_FORCED)):
+            cfg = TrainConfig(shape, tensor_parallel=2, sequence_parallel=True, micro_batch_size=1,
+                              num_microbatches=micro_batches, dtype="bf16", lr=1e-4, taco=taco)
+            trainer = Trainer(cfg)
+            data = synthetic_batches(shape.vocab_size, shape.seq_length, 1, seed=1)
+            times = []
+            for step in range(steps):
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                trainer.train_step(data)
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            split = _gpu_time_split(trainer, data) if taco is not None or variant == "baseline" else {}
+            trainer.close()
+            step_s = statistics.median(times[warmup:])
+            results.append(dict(model=model_name, variant=variant, step_s=step_s,
+                                tokens_per_s=shape.seq_length * micro_batches / step_s, split=split))
+            if dist.get_rank() == 0:
+                print(f"  {model_name} {variant}: {step_s * 1e3:.1f} ms/step", flush=True)
+            torch.cuda.empty_cache()
+    return results
+
+
+def _loss_worker(steps: int, eval_iters: int):
+    train_files, valid_files = stdlib_text_files()
+    curves = {}
+    for model_name, shape in LOSS_MODELS.items():
+        for variant, taco in LOSS_VARIANTS.items():
+            cfg = TrainConfig(shape, tensor_parallel=2, sequence_parallel=True, micro_batch_size=8,
+                              num_microbatches=1, dtype="bf16", lr=1e-3, seed=1234, taco=taco)
+            trainer = Trainer(cfg)
+            train = byte_text_batches(train_files, shape.seq_length, 8, seed=1)
+            losses = [trainer.train_step(train)["loss"] for _ in range(steps)]
+            valid = trainer.evaluate(byte_text_batches(valid_files, shape.seq_length, 8, seed=2), eval_iters)
+            trainer.close()
+            curves[f"{model_name} | {variant}"] = dict(train=losses, valid=valid)
+            if dist.get_rank() == 0:
+                print(f"  {model_name} {variant}: final train {losses[-1]:.4f} valid {valid:.4f}", flush=True)
+    return curves
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out-dir", default="benchmarks/results")
+    parser.add_argument("--regimes", default="nvlink,shm,socket")
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--micro-batches", type=int, default=2)
+    parser.add_argument("--loss-steps", type=int, default=300)
+    parser.add_argument("--eval-iters", type=int, default=20)
+    parser.add_argument("--parts", default="throughput,loss")
+    args = parser.parse_args()
+    os.environ["TACO_TEST_START_METHOD"] = "spawn"
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    results = {"throughput": {}, "loss": {}}
+    if "throughput" in args.parts:
+        for regime in args.regimes.split(","):
+            print(f"throughput, regime {regime}", flush=True)
+            results["throughput"][regime] = run_distributed(
+                _throughput_worker, 2, args.steps, args.warmup, args.micro_batches,
+                backend="nccl", env=REGIMES[regime], timeout=1200)[0]
+    if "loss" in args.parts:
+        print("loss study", flush=True)
+        results["loss"] = run_distributed(_loss_worker, 2, args.loss_steps, args.eval_iters,
+                                          backend="nccl", timeout=1200)[0]
+    os.makedirs(args.out_dir, exist_ok=True)
+    with open(os.path.join(args.out_dir, "e2e.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    _plot(results, args.out_dir)
+    _write(args, results)
+
+
+def _plot(results, out_dir) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if results["loss"]:
+        models = sorted({k.split(" | ")[0] for k in results["loss"]})
+        fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4))
+        for ax, model in zip(axes if len(models) > 1 else [axes], models):
+            for key, curve in results["loss"].items():
+                if key.startswith(model):
+                    train = curve["train"]
+                    smooth = [sum(train[max(0, i - 9): i + 1]) / len(train[max(0, i - 9): i + 1]) for i in range(len(train))]
+                    ax.plot(smooth, label=key.split(" | ")[1])
+            ax.set_title(model)
+            ax.set_xlabel("step")
+            ax.set_ylabel("train loss (10-step mean)")
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "e2e_loss.png"), dpi=110)
+
+
+def _write(args, results) -> None:
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    lines = [
+        "# End-to-end evaluation (2 GPUs)",
+        "",
+        f"- Command: `python benchmarks/e2e.py --out-dir {args.out_dir} --regimes {args.regimes} --steps {args.steps} "
+        f"--warmup {args.warmup} --micro-batches {args.micro_batches} --loss-steps {args.loss_steps} --parts {args.parts}`",
+        f"- Date: {datetime.date.today().isoformat()}; 2 x {props.name}; torch {torch.__version__}, "
+        f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, triton {triton.__version__}",
+        "- Trainer: `megatron_taco.training` (megatron-core GPTModel, local spec, DDP, Adam, bf16 with fp32 main params).",
+        "",
+    ]
+    if results["throughput"]:
+        lines += [
+            "## Throughput: TP=2 + SP, bf16, micro-batch 1 x "
+            f"{args.micro_batches} per step; median of steps {args.warmup + 1}-{args.steps}",
+            "",
+            "TACO = fp8-ash, G=128, E4M3, folded scale. *auto* = the default link policy (`--taco-min-bytes auto`: "
+            "probe the TP group, compress only on slow links above the break-even size); *forced* = every message "
+            "compressed. GPU time split from one profiled step (ms): codec kernels / NCCL kernels / other.",
+            "",
+            "| regime | model | variant | ms/step | tokens/s | vs baseline | codec ms | NCCL ms | other ms |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for regime, rows in results["throughput"].items():
+            base = {r["model"]: r for r in rows if r["variant"] == "baseline"}
+            for r in rows:
+                split = r["split"]
+                lines.append(
+                    f"| {regime} | {r['model']} | {r['variant']} | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:.0f} | "
+                    f"{r['tokens_per_s'] / base[r['model']]['tokens_per_s']:.2f}x | {split.get('codec', 0):.1f} | "
+                    f"{split.get('nccl', 0):.1f} | {split.get('other', 0):.1f} |"
+                )
+        lines.append("")
+    if results["loss"]:
+        lines += [
+            f"## Loss on real text: TP=2 + SP, bf16, {args.loss_steps} steps of 8 x 512 byte-level tokens "
+            f"(Python stdlib sources), validation on held-out files ({args.eval_iters} batches)",
+            "",
+            "![loss curves](e2e_loss.png)",
+            "",
+            "| model | variant | final train loss (mean of last 20 steps) | validation loss | vs baseline (validation) |",
+            "|---|---|---|---|---|",
+        ]
+        for key, curve in results["loss"].items():
+            model, variant = key.split(" | ")
+            base = results["loss"][f"{model} | baseline"]["valid"]
+            tail = curve["train"][-20:]
+            lines.append(f"| {model} | {variant} | {sum(tail) / len(tail):.4f} | {curve['valid']:.4f} | "
+                         f"{100 * (curve['valid'] / base - 1):+.2f}% |")
+        lines.append("")
+    with open(os.path.join(args.out_dir, "e2e.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
