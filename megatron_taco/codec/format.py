@@ -23,6 +23,7 @@ exponent byte.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import struct
 from typing import Dict, Tuple
 
@@ -129,6 +130,7 @@ def header_bytes(settings: CodecSettings, numel: int) -> bytes:
     return MAGIC + settings.settings_bytes() + struct.pack("<Q", numel)
 
 
+@functools.lru_cache(maxsize=4096)
 def header_words(settings: CodecSettings, numel: int) -> Tuple[int, int, int, int]:
     """The header as four little-endian int32 words (what the compress kernel stores)."""
     return struct.unpack("<4i", header_bytes(settings, numel))

@@ -31,6 +31,7 @@ NaN (never to silent zeros); an all-zero group decodes to exact zeros.
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence, Tuple
 
 import torch
@@ -72,6 +73,7 @@ def _f32(value: float, like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32, device=like.device)
 
 
+@functools.lru_cache(maxsize=None)
 def inv_sqrt_group(group_size: int) -> float:
     """1/sqrt(G) rounded to fp32 (exact for G = 64, 256)."""
     return float(torch.tensor(group_size, dtype=torch.float64).rsqrt().float())

@@ -10,6 +10,7 @@ small collective per group and setting for the whole run.
 
 from __future__ import annotations
 
+import functools
 import struct
 from typing import Optional, Set, Tuple
 
@@ -17,18 +18,19 @@ import torch
 import torch.distributed as dist
 
 from megatron_taco.codec import TacoCodec
-from megatron_taco.codec.format import describe_settings_bytes
+from megatron_taco.codec.format import CodecSettings, describe_settings_bytes
 
-_AGREED: Set[Tuple[Tuple[int, ...], bytes]] = set()
+_AGREED: Set[Tuple[object, bytes]] = set()  # (process group, fingerprint) pairs already checked
 
 
 class SettingsMismatchError(RuntimeError):
     """Ranks of one process group were started with different compression settings."""
 
 
-def _fingerprint(codec: Optional[TacoCodec], min_bytes: int) -> bytes:
-    settings = codec.settings.settings_bytes() if codec is not None else b"\0\0\0\0"
-    return b"TACO" + settings + struct.pack("<q", min_bytes)
+@functools.lru_cache(maxsize=None)
+def _fingerprint(settings: Optional[CodecSettings], min_bytes: int) -> bytes:
+    raw = settings.settings_bytes() if settings is not None else b"\0\0\0\0"
+    return b"TACO" + raw + struct.pack("<q", min_bytes)
 
 
 def _describe(fingerprint: bytes) -> str:
@@ -41,10 +43,11 @@ def ensure_same_settings(
     group: Optional[dist.ProcessGroup], codec: Optional[TacoCodec], min_bytes: int, device: torch.device
 ) -> None:
     """Raise :class:`SettingsMismatchError` on every rank if the group's ranks disagree."""
-    ranks = tuple(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
-    mine = _fingerprint(codec, min_bytes)
-    if (ranks, mine) in _AGREED:
+    group = group if group is not None else dist.group.WORLD
+    mine = _fingerprint(codec.settings if codec is not None else None, min_bytes)
+    if (group, mine) in _AGREED:
         return
+    ranks = dist.get_process_group_ranks(group)
     world = len(ranks)
     local = torch.tensor(list(mine), dtype=torch.uint8, device=device)
     gathered = torch.empty(world * len(mine), dtype=torch.uint8, device=device)
@@ -53,4 +56,4 @@ def ensure_same_settings(
     if any(fp != mine for fp in everyone):
         detail = "; ".join(f"rank {ranks[i]}: {_describe(fp)}" for i, fp in enumerate(everyone))
         raise SettingsMismatchError(f"compression settings differ across the process group: {detail}")
-    _AGREED.add((ranks, mine))
+    _AGREED.add((group, mine))

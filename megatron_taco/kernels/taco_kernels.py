@@ -21,6 +21,9 @@ tile, loaded once and written once (a single pass over the input).
 
 from __future__ import annotations
 
+import functools
+from typing import Tuple
+
 import torch
 import triton
 import triton.language as tl
@@ -219,6 +222,7 @@ def _grid_constants(mantissa_bits: int, min_normal_exp: int, prefix: str = "") -
 _OUTPUT_GRIDS = {torch.float32: (23, -126), torch.bfloat16: (7, -126), torch.float16: (10, -14)}
 
 
+@functools.lru_cache(maxsize=None)
 def _fp8_constants(settings: CodecSettings) -> dict:
     fmt = settings.format
     return dict(
@@ -228,12 +232,13 @@ def _fp8_constants(settings: CodecSettings) -> dict:
     )
 
 
-def _common(settings: CodecSettings, kernel: str) -> dict:
+@functools.lru_cache(maxsize=None)
+def _common(settings: CodecSettings, kernel: str, launch: Tuple[int, int]) -> dict:
     g = settings.group_size
     return dict(
         G=g,
         LOG2G=g.bit_length() - 1,
-        BLOCK_G=max(1, LAUNCH_CONFIG[kernel][0] // g),
+        BLOCK_G=max(1, launch[0] // g),
         ASH=settings.transform == "ash",
         SCALE_MODE=_SCALE_MODE_IDS[settings.scales],
         INV_SQRT_G=reference.inv_sqrt_group(g),
@@ -248,7 +253,7 @@ def compress_rows(x: torch.Tensor, out: torch.Tensor, settings: CodecSettings) -
     """Compress each row of ``x`` [R, m] (unit column stride) into the rows of ``out`` [R, nbytes]."""
     rows, numel = x.shape
     n_groups, _, scales_offset = settings.layout(numel)
-    common = _common(settings, "compress")
+    common = _common(settings, "compress", LAUNCH_CONFIG["compress"])
     grid = (max(1, triton.cdiv(n_groups, common["BLOCK_G"])), rows)
     _compress_kernel[grid](
         x, out, x.stride(0), out.stride(0), numel, n_groups, scales_offset,
@@ -268,7 +273,7 @@ def decompress_rows(bufs: torch.Tensor, out: torch.Tensor, settings: CodecSettin
     if bufs.shape[0] % rows:
         raise ValueError(f"{bufs.shape[0]} messages do not split evenly over {rows} output rows")
     n_groups, _, scales_offset = settings.layout(numel)
-    common = _common(settings, "decompress_sum")
+    common = _common(settings, "decompress_sum", LAUNCH_CONFIG["decompress_sum"])
     grid = (triton.cdiv(n_groups, common["BLOCK_G"]), rows)
     _decompress_sum_kernel[grid](
         bufs, out, bufs.shape[0] // rows, bufs.stride(0), out.stride(0), numel, n_groups, scales_offset,

@@ -52,7 +52,7 @@ class LinearCompression:
     def options(self, group: dist.ProcessGroup, device: torch.device) -> comm.CommOptions:
         if self.min_bytes is not None:
             return comm.CommOptions(min_bytes=self.min_bytes, chunk_bytes=self.chunk_bytes)
-        key = (tuple(dist.get_process_group_ranks(group)), self.chunk_bytes)
+        key = (group, self.chunk_bytes)  # the link probe runs once per process group
         if key not in _AUTO_OPTIONS:
             _AUTO_OPTIONS[key] = auto_options(group, device, chunk_bytes=self.chunk_bytes)[0]
         return _AUTO_OPTIONS[key]
