@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
+from megatron_taco.config.mapl import add_mapl_args, mapl_config_from_args
 from megatron_taco.config.taco import TacoConfigError, add_taco_args, taco_config_from_args
 from megatron_taco.megatron.telemetry import TELEMETRY
 from megatron_taco.training.data import byte_text_batches, stdlib_text_files, synthetic_batches
@@ -69,12 +70,13 @@ def _apply_config_defaults(parser: argparse.ArgumentParser, argv: List[str]) -> 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else argv
-    parser = add_taco_args(add_training_args(argparse.ArgumentParser(description=__doc__)))
+    parser = add_mapl_args(add_taco_args(add_training_args(argparse.ArgumentParser(description=__doc__))))
     model = _apply_config_defaults(parser, argv)
     args = parser.parse_args(argv)
     try:
         args.taco = taco_config_from_args(args)
-    except TacoConfigError as exc:
+        args.mapl = mapl_config_from_args(args)
+    except TacoConfigError as exc:  # MaplConfigError is one too
         parser.error(str(exc))
     if not model:
         parser.error("--config with a model section is required")
@@ -137,12 +139,8 @@ def _log(message: str) -> None:
         print(message, flush=True)
 
 
-def main(argv: Optional[List[str]] = None) -> List[float]:
-    args = parse_args(argv)
-    init_distributed()
-    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-    data_parallel = dist.get_world_size() // model_parallel
-    cfg = TrainConfig(
+def _train_config(args: argparse.Namespace, data_parallel: int) -> TrainConfig:
+    return TrainConfig(
         shape=args.shape,
         tensor_parallel=args.tensor_model_parallel_size,
         pipeline_parallel=args.pipeline_model_parallel_size,
@@ -155,7 +153,19 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
         dtype=args.dtype,
         seed=args.seed,
         taco=args.taco,
+        mapl=args.mapl,
     )
+
+
+def main(argv: Optional[List[str]] = None) -> List[float]:
+    args = parse_args(argv)
+    init_distributed()
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    data_parallel = dist.get_world_size() // model_parallel
+    try:
+        cfg = _train_config(args, data_parallel)
+    except ValueError as exc:  # invalid combinations: the message names the flags
+        raise SystemExit(f"error: {exc}") from None
     trainer = Trainer(cfg)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     _log(
@@ -167,6 +177,11 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
         layers = {name: _ranges(numbers) for name, numbers in trainer.taco_layers.items()}
         _log(f"TACO {args.taco.default.mode} on this rank's layers {layers}; "
              f"min-bytes {'auto' if args.taco.min_bytes is None else args.taco.min_bytes}")
+    if args.mapl is not None:
+        r = args.mapl.wire_rank(cfg.shape.hidden_size)
+        _log(f"MAPL: {cfg.pipeline_parallel - 1} boundaries, hidden {cfg.shape.hidden_size} -> {r} "
+             f"({cfg.shape.hidden_size / r:g}x), anchor rank {args.mapl.anchor_rank}"
+             + (", fixed projection" if args.mapl.fixed_projection else ""))
     data, valid = make_data(args.data, cfg, args.seed, trainer.data_parallel_rank)
     tokens_per_step = cfg.micro_batch_size * cfg.num_microbatches * data_parallel * cfg.shape.seq_length
     losses = []

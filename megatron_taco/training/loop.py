@@ -28,7 +28,10 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_taco.megatron.cpu_runtime import cpu_config_overrides, enable_cpu_runtime
+from megatron_taco.config.mapl import MaplConfig
 from megatron_taco.config.taco import TacoConfig
+from megatron_taco.mapl.boundary import BoundaryCodec
+from megatron_taco.mapl.stage import MaplStage, MaplSync, ScheduleView
 from megatron_taco.megatron.attach import attach_taco
 from megatron_taco.megatron.specs import LOCAL_SPEC_CONFIG, taco_layer_spec
 from megatron_taco.megatron.telemetry import TELEMETRY
@@ -54,6 +57,7 @@ class TrainConfig:
     dropout: float = 0.0
     seed: int = 1234
     taco: Optional[TacoConfig] = None  # None: stock megatron-core linears
+    mapl: Optional[MaplConfig] = None  # None: uncompressed pipeline boundaries
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -63,6 +67,9 @@ class TrainConfig:
         for name in ("tensor_parallel", "pipeline_parallel", "micro_batch_size", "num_microbatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.mapl is not None:
+            self.mapl.check_layout(self.pipeline_parallel)
+            self.mapl.wire_rank(self.shape.hidden_size)
 
 
 def init_distributed() -> None:
@@ -120,11 +127,15 @@ class Trainer:
         if layer_spec is None and cfg.taco is not None:
             layer_spec = taco_layer_spec()
         module = build_gpt_model(cfg.shape, self.config, layer_spec, seed=cfg.seed).to(self.device)
+        if cfg.mapl is not None:
+            module = self._wrap_mapl(module)
         self.taco_layers = attach_taco([module], cfg.taco) if cfg.taco is not None else {}
         if cfg.taco is not None:
             TELEMETRY.error_sample_interval = cfg.taco.error_sample_interval
         if dtype != torch.float32:  # Megatron's mixed precision: half params, fp32 logits and main params
             module = Float16Module(self.config, module)
+            for boundary in self.mapl_boundaries:  # U stays fp32 (orthogonality to ~1e-7)
+                boundary.projection = boundary.projection.detach().float().requires_grad_(boundary.trainable)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
         )
@@ -146,6 +157,33 @@ class Trainer:
         self.config.no_sync_func = self.model.no_sync
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.step_count = 0
+        self.mapl_sync = None
+        self.schedule_model = self.model
+        if cfg.mapl is not None:
+            self.mapl_sync = MaplSync(self._mapl_stages, lr=cfg.mapl.lr, momentum=cfg.mapl.momentum)
+            self.schedule_model = ScheduleView(self.model, cfg.mapl.wire_rank(cfg.shape.hidden_size))
+
+    mapl_boundaries: list = []
+
+    def _wrap_mapl(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Put this stage's boundary codecs (receive side, send side) around the GPTModel."""
+        cfg, mapl = self.cfg, self.cfg.mapl
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+
+        def boundary(index: int) -> BoundaryCodec:
+            return BoundaryCodec(
+                hidden_size=cfg.shape.hidden_size, rank=mapl.wire_rank(cfg.shape.hidden_size),
+                vocab_size=cfg.shape.padded_vocab_size(cfg.tensor_parallel), anchor_rank=mapl.anchor_rank,
+                seed=cfg.seed, boundary=index, trainable=not mapl.fixed_projection,
+                sequence_parallel=cfg.sequence_parallel,
+            ).to(self.device)
+
+        recv = boundary(pp_rank - 1) if not parallel_state.is_pipeline_first_stage() else None
+        send = boundary(pp_rank) if not parallel_state.is_pipeline_last_stage() else None
+        stage = MaplStage(module, recv, send)
+        self._mapl_stages = [stage]
+        self.mapl_boundaries = stage.boundaries()
+        return stage
 
     @property
     def data_parallel_rank(self) -> int:
@@ -164,13 +202,17 @@ class Trainer:
         losses = get_forward_backward_func()(
             forward_step_func=self._forward_step,
             data_iterator=data_iterator,
-            model=[self.model],
+            model=[self.schedule_model],
             num_microbatches=cfg.num_microbatches,
             seq_length=cfg.shape.seq_length,
             micro_batch_size=cfg.micro_batch_size,
             forward_only=False,
         )
+        if self.mapl_sync is not None:
+            self.mapl_sync.finalize_grads()
         updated, grad_norm, _ = self.optimizer.step()
+        if self.mapl_sync is not None:
+            self.mapl_sync.manifold_step()
         self.step_count += 1
         return {
             "loss": self._share_loss(losses),
@@ -186,7 +228,7 @@ class Trainer:
             losses = get_forward_backward_func()(
                 forward_step_func=self._forward_step,
                 data_iterator=data_iterator,
-                model=[self.model],
+                model=[self.schedule_model],
                 num_microbatches=self.cfg.num_microbatches,
                 seq_length=self.cfg.shape.seq_length,
                 micro_batch_size=self.cfg.micro_batch_size,

@@ -1,0 +1,69 @@
+"""One pipeline boundary's MAPL codec: a Stiefel projection U and factorised token anchors.
+
+    sender:    z     = (h - a(t)) U          [s, b, d] -> [s, b, r]
+    receiver:  h_hat = z U^T + a(t)          [s, b, r] -> [s, b, d]
+    anchors:   a(t)  = E[t] B,  E in R^{V x k},  B in R^{k x d}
+
+Both stages of the boundary hold a replica of this module (same seed, same
+initial values). U is a float32 buffer: it is not seen by the regular
+optimizer (no Adam, no weight decay) and is updated by
+:class:`~megatron_taco.mapl.stiefel.StiefelMomentumSGD` with the gradient
+summed over both replicas. E and B are ordinary parameters (trained by the
+regular optimizer) whose gradients are also summed over the pair, so the
+replicas stay identical. Because the projection sits inside autograd, the
+backward message dL/dz is r-wide too.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from megatron_taco.mapl.stiefel import random_stiefel
+
+
+class BoundaryCodec(torch.nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        rank: int,
+        vocab_size: int,
+        anchor_rank: int,
+        seed: int,
+        boundary: int,
+        trainable: bool = True,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        self.boundary = boundary
+        self.hidden_size, self.rank, self.anchor_rank = hidden_size, rank, anchor_rank
+        self.trainable = trainable
+        gen = torch.Generator().manual_seed(seed * 7919 + boundary)
+        projection = random_stiefel(hidden_size, rank, gen)
+        self.register_buffer("projection", projection.requires_grad_(trainable))
+        if anchor_rank > 0:
+            self.anchor_embedding = torch.nn.Parameter(torch.randn(vocab_size, anchor_rank, generator=gen) * 0.02)
+            self.anchor_basis = torch.nn.Parameter(torch.randn(anchor_rank, hidden_size, generator=gen) * 0.02)
+            for param in (self.anchor_embedding, self.anchor_basis):
+                # with SP each TP rank sees other tokens: finalize_model_grads all-reduces these over TP
+                param.sequence_parallel = sequence_parallel
+                param.mapl_anchor = True
+
+    def _anchors(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:
+        """a(t) for tokens [s, b] as fp32 [s, b, d], or None without anchors."""
+        if self.anchor_rank == 0:
+            return None
+        return (self.anchor_embedding[tokens].float() @ self.anchor_basis.float())
+
+    def project(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """[s, b, d] -> [s, b, r] (in the hidden states' dtype; math in fp32)."""
+        anchors = self._anchors(tokens)
+        centred = hidden.float() if anchors is None else hidden.float() - anchors
+        return (centred @ self.projection).to(hidden.dtype)
+
+    def reconstruct(self, z: torch.Tensor, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[s, b, r] -> [s, b, d]."""
+        hidden = z.float() @ self.projection.transpose(0, 1)
+        anchors = self._anchors(tokens)
+        return (hidden if anchors is None else hidden + anchors).to(dtype)

@@ -1,0 +1,165 @@
+"""A pipeline stage with MAPL at its boundaries, and the process-group plumbing around it.
+
+:class:`MaplStage` wraps this stage's GPTModel: on a stage that receives, the
+r-wide tensor handed over by the schedule (``set_input_tensor``) is rebuilt to
+d wide before the decoder; on a stage that sends, the decoder output is
+projected to r wide. Megatron's schedule sizes its P2P buffers from
+``config.hidden_size``; :class:`ScheduleView` shows the schedule a config copy
+with ``hidden_size = r``, so the wire carries r-wide tensors forward and
+backward while the model keeps its own config.
+
+Token ids: every stage draws the same micro-batches (the data iterator runs on
+every stage), so the receiver knows the tokens without communication; the cost
+is one [b, s] int64 host-to-device copy per micro-batch per stage (8 bytes per
+token against 2*d bytes of bf16 activation per token sent).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from megatron_taco.mapl.boundary import BoundaryCodec
+from megatron_taco.mapl.stiefel import StiefelMomentumSGD
+
+
+class MaplStage(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, recv: Optional[BoundaryCodec], send: Optional[BoundaryCodec]) -> None:
+        super().__init__()
+        self.module = model
+        self.recv = recv
+        self.send = send
+        self.config = model.config
+        self._received: Optional[torch.Tensor] = None
+
+    def set_input_tensor(self, input_tensor: Any) -> None:
+        tensor = input_tensor[0] if isinstance(input_tensor, (list, tuple)) else input_tensor
+        if self.recv is None:
+            self.module.set_input_tensor(tensor)
+        else:
+            self._received = tensor
+
+    def _local_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token ids in the layout of the boundary tensors: [s(/tp with SP), b]."""
+        tokens = input_ids.transpose(0, 1)
+        if self.config.sequence_parallel:
+            tp = parallel_state.get_tensor_model_parallel_world_size()
+            rank = parallel_state.get_tensor_model_parallel_rank()
+            tokens = tokens.chunk(tp, dim=0)[rank]
+        return tokens
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: Any, **kwargs: Any):
+        tokens = self._local_tokens(input_ids) if (self.recv is not None or self.send is not None) else None
+        if self.recv is not None:
+            dtype = self.config.pipeline_dtype or self._received.dtype
+            self.module.set_input_tensor(self.recv.reconstruct(self._received, tokens, dtype))
+        output = self.module(input_ids, position_ids, attention_mask, **kwargs)
+        if self.send is not None:
+            output = self.send.project(output, tokens)
+        return output
+
+    def boundaries(self) -> List[BoundaryCodec]:
+        return [b for b in (self.recv, self.send) if b is not None]
+
+
+class ScheduleView(torch.nn.Module):
+    """What the pipeline schedule sees: the model, with a config whose hidden_size is the wire width."""
+
+    def __init__(self, model: torch.nn.Module, wire_width: int) -> None:
+        super().__init__()
+        self.module = model
+        self.config = copy.copy(model.config)
+        self.config.hidden_size = wire_width
+
+    def forward(self, *args: Any, **kwargs: Any):
+        return self.module(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.module, name)  # finish_grad_sync, no_sync, ... of the wrapped DDP
+
+
+_PAIR_GROUPS: Dict[tuple, dist.ProcessGroup] = {}
+
+
+def _pair_groups() -> Dict[int, dist.ProcessGroup]:
+    """For each boundary this rank touches, the 2-rank group {stage k, stage k+1} at its (TP, DP) position.
+
+    Every rank creates every group (new_group is collective), in the same order.
+    """
+    world = dist.get_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    me = dist.get_rank()
+    mine: Dict[int, dist.ProcessGroup] = {}
+    # pipeline groups: all ranks of one pipeline, in stage order
+    pipelines = []
+    for rank in range(world):
+        # megatron-core's pipeline group of `rank` is not queryable for other ranks; rebuild the
+        # pipelines from this rank's own group layout: ranks are spaced by world / pp.
+        stride = world // pp
+        start = rank % stride
+        pipeline = tuple(start + i * stride for i in range(pp))
+        if pipeline not in pipelines:
+            pipelines.append(pipeline)
+    own = tuple(dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group()))
+    if own not in pipelines:
+        raise RuntimeError(f"unexpected pipeline layout {own}; MAPL expects stages spaced by world/PP")
+    for boundary in range(pp - 1):
+        for pipeline in pipelines:
+            ranks = (pipeline[boundary], pipeline[boundary + 1])
+            if ranks not in _PAIR_GROUPS:
+                _PAIR_GROUPS[ranks] = dist.new_group(list(ranks))
+            if me in ranks:
+                mine[boundary] = _PAIR_GROUPS[ranks]
+    return mine
+
+
+class MaplSync:
+    """Keeps the two replicas of every boundary identical: summed gradients, identical updates."""
+
+    def __init__(self, stages: List[MaplStage], lr: float, momentum: float) -> None:
+        self.stages = stages
+        self.groups = _pair_groups()
+        self.boundaries = [b for stage in stages for b in stage.boundaries()]
+        self.trainable = [b for b in self.boundaries if b.trainable]
+        self.optimizer = StiefelMomentumSGD([b.projection for b in self.trainable], lr=lr, momentum=momentum) \
+            if self.trainable else None
+
+    def finalize_grads(self) -> None:
+        """Sum U and anchor gradients over TP (U only; anchors via SP tagging), DP and the boundary pair."""
+        tp_group = parallel_state.get_tensor_model_parallel_group()
+        dp_group = parallel_state.get_data_parallel_group()
+        sp = parallel_state.get_tensor_model_parallel_world_size() > 1 and self.stages[0].config.sequence_parallel
+        for boundary in self.boundaries:
+            pair = self.groups[boundary.boundary]
+            if boundary.trainable:
+                grad = boundary.projection.grad
+                if grad is None:
+                    grad = torch.zeros_like(boundary.projection)
+                    boundary.projection.grad = grad
+                if sp:
+                    dist.all_reduce(grad, group=tp_group)
+                dist.all_reduce(grad, group=dp_group)
+                dist.all_reduce(grad, group=pair)
+            for param in (p for p in boundary.parameters() if getattr(p, "mapl_anchor", False)):
+                grad = getattr(param, "main_grad", None)
+                if grad is None:
+                    grad = param.grad
+                if grad is not None:
+                    dist.all_reduce(grad, group=pair)
+
+    def manifold_step(self) -> None:
+        if self.optimizer is None:
+            return
+        self.optimizer.step([b.projection.grad for b in self.trainable])
+        for b in self.trainable:
+            b.projection.grad = None
+
+    def wire_width(self) -> int:
+        return self.boundaries[0].rank if self.boundaries else 0

@@ -1,0 +1,78 @@
+"""Optimisation on the Stiefel manifold St(d, r) = {U in R^{d x r} : U^T U = I_r}.
+
+Riemannian steepest descent with momentum (embedded metric):
+
+    xi  = G - U sym(U^T G)            tangent projection of the Euclidean gradient G
+    m   = beta * m + xi, then m -= U sym(U^T m)   (momentum transported by projection)
+    U  <- qf(U - lr * m)              QR retraction back onto the manifold
+
+``qf`` is the Q factor with the signs fixed so diag(R) > 0, computed in
+float64: orthogonality holds to ~1e-7 in fp32 after any number of steps. Every
+step is deterministic, so replicas that see the same gradient stay
+bit-identical.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+
+def sym(a: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (a + a.transpose(-1, -2))
+
+
+def tangent_project(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """Projection of ``g`` onto the tangent space of St(d, r) at ``u``."""
+    return g - u @ sym(u.transpose(-1, -2) @ g)
+
+
+def retract_qr(y: torch.Tensor) -> torch.Tensor:
+    """Closest-in-orientation point of St(d, r): the Q of y = QR with diag(R) > 0 (float64 inside)."""
+    q, r = torch.linalg.qr(y.double())
+    signs = torch.sign(torch.diagonal(r))
+    signs = torch.where(signs == 0, torch.ones_like(signs), signs)
+    return (q * signs).to(y.dtype)
+
+
+def random_stiefel(d: int, r: int, generator: torch.Generator) -> torch.Tensor:
+    """A uniformly random point of St(d, r) (QR of a Gaussian), fp32."""
+    if not 0 < r <= d:
+        raise ValueError(f"a projection needs 0 < rank <= hidden size, got rank {r} for hidden size {d}")
+    return retract_qr(torch.randn(d, r, generator=generator, dtype=torch.float64)).float()
+
+
+def orthogonality_error(u: torch.Tensor) -> float:
+    """max |U^T U - I| (float64)."""
+    u64 = u.double()
+    return float((u64.transpose(-1, -2) @ u64 - torch.eye(u.shape[-1], dtype=torch.float64, device=u.device)).abs().max())
+
+
+class StiefelMomentumSGD:
+    """Manifold-constrained momentum SGD for a list of Stiefel points (updated in place, no weight decay)."""
+
+    def __init__(self, points: List[torch.Tensor], lr: float, momentum: float = 0.9) -> None:
+        if lr <= 0:
+            raise ValueError(f"manifold learning rate must be > 0, got {lr}")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"manifold momentum must be in [0, 1), got {momentum}")
+        self.points = points
+        self.lr = lr
+        self.momentum = momentum
+        self.buffers: List[Optional[torch.Tensor]] = [None] * len(points)
+
+    @torch.no_grad()
+    def step(self, grads: List[torch.Tensor]) -> None:
+        for i, (u, g) in enumerate(zip(self.points, grads)):
+            xi = tangent_project(u, g.to(u.dtype))
+            m = xi if self.buffers[i] is None else self.momentum * self.buffers[i] + xi
+            m = tangent_project(u, m)
+            self.buffers[i] = m
+            u.copy_(retract_qr(u - self.lr * m))
+
+    def state_dict(self) -> dict:
+        return {"lr": self.lr, "momentum": self.momentum, "buffers": self.buffers}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.lr, self.momentum, self.buffers = state["lr"], state["momentum"], list(state["buffers"])

@@ -1,0 +1,152 @@
+"""MAPL: Stiefel optimisation, r-wide pipeline traffic, replica consistency, flags (real gloo ranks)."""
+
+import argparse
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_taco.config.mapl import MaplConfig, MaplConfigError, add_mapl_args, mapl_config_from_args
+from megatron_taco.mapl.stiefel import (
+    StiefelMomentumSGD,
+    orthogonality_error,
+    random_stiefel,
+    tangent_project,
+)
+from megatron_taco.testing.distributed import run_distributed
+from megatron_taco.testing.models import TINY_GPT
+from megatron_taco.training.data import synthetic_batches
+from megatron_taco.training.loop import TrainConfig, Trainer
+
+
+def test_orthogonality_holds_after_1000_manifold_steps():
+    gen = torch.Generator().manual_seed(0)
+    u = random_stiefel(64, 16, gen)
+    opt = StiefelMomentumSGD([u], lr=0.05, momentum=0.9)
+    for _ in range(1000):
+        opt.step([torch.randn(64, 16, generator=gen) * 10])
+        assert orthogonality_error(u) <= 1e-5
+    assert orthogonality_error(u) <= 1e-5
+
+
+def test_manifold_descent_finds_the_top_eigenspace():
+    """Maximise trace(U^T A U): the optimum is the span of A's top-r eigenvectors."""
+    gen = torch.Generator().manual_seed(1)
+    q, _ = torch.linalg.qr(torch.randn(32, 32, generator=gen, dtype=torch.float64))
+    eigenvalues = torch.linspace(10, 0.1, 32, dtype=torch.float64)
+    a = (q * eigenvalues) @ q.T
+    u = random_stiefel(32, 4, gen)
+    opt = StiefelMomentumSGD([u], lr=0.01, momentum=0.5)
+    for _ in range(500):
+        opt.step([-(2 * a @ u.double()).float()])  # gradient of -trace(U^T A U)
+    achieved = float(torch.trace(u.double().T @ a @ u.double()))
+    assert achieved >= 0.999 * float(eigenvalues[:4].sum()), achieved
+    riemannian = tangent_project(u.double(), -(2 * a @ u.double()))
+    assert float(riemannian.norm()) < 1e-2
+
+
+def _train(mapl, steps, tp=1, pp=2, sp=False, count_p2p=False):
+    cfg = TrainConfig(TINY_GPT, tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp, lr=3e-3, mapl=mapl)
+    trainer = Trainer(cfg)
+    data = synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, cfg.micro_batch_size, seed=1)
+    shapes = []
+    if count_p2p:
+        original = dist.batch_isend_irecv
+
+        def recording(ops):
+            shapes.extend((op.op.__name__, tuple(op.tensor.shape)) for op in ops)
+            return original(ops)
+
+        dist.batch_isend_irecv = recording
+    try:
+        losses = [trainer.train_step(data)["loss"] for _ in range(steps)]
+    finally:
+        if count_p2p:
+            dist.batch_isend_irecv = original
+    projections = {b.boundary: b.projection.detach().clone() for b in trainer.mapl_boundaries}
+    anchors = {b.boundary: b.anchor_basis.detach().clone() for b in trainer.mapl_boundaries if b.anchor_rank}
+    in_optimizer = any(
+        p is b.projection for b in trainer.mapl_boundaries for g in trainer.optimizer.param_groups for p in g["params"]
+    )
+    trainer.close()
+    return dict(losses=losses, projections=projections, anchors=anchors, shapes=shapes, in_optimizer=in_optimizer)
+
+
+def test_wire_carries_r_wide_tensors_forward_and_backward():
+    base = run_distributed(_train, 2, None, 1, count_p2p=True, timeout=120)
+    mapl = run_distributed(_train, 2, MaplConfig(ratio=4), 1, count_p2p=True, timeout=120)
+    d, r = TINY_GPT.hidden_size, TINY_GPT.hidden_size // 4
+    for rank in (0, 1):
+        plain = base[rank]["shapes"]
+        packed = mapl[rank]["shapes"]
+        assert plain and len(plain) == len(packed)
+        assert all(shape[-1] == d for _, shape in plain)
+        assert all(shape[-1] == r for _, shape in packed)
+        plain_bytes = sum(torch.Size(s).numel() for _, s in plain)
+        packed_bytes = sum(torch.Size(s).numel() for _, s in packed)
+        assert packed_bytes * d == plain_bytes * r
+        # the first stage sends activations and receives gradients; the last the reverse
+        kinds = {kind for kind, _ in packed}
+        assert kinds == {"isend", "irecv"}
+
+
+def test_replicas_stay_bit_identical_and_u_stays_on_the_manifold_over_200_steps():
+    results = run_distributed(_train, 2, MaplConfig(ratio=4), 200, timeout=600)
+    u0, u1 = results[0]["projections"][0], results[1]["projections"][0]
+    assert torch.equal(u0, u1)
+    assert torch.equal(results[0]["anchors"][0], results[1]["anchors"][0])
+    assert orthogonality_error(u0) <= 1e-5
+    assert not results[0]["in_optimizer"], "U must not be trained by Adam (no weight decay)"
+    initial = random_stiefel(TINY_GPT.hidden_size, TINY_GPT.hidden_size // 4, torch.Generator().manual_seed(1234 * 7919))
+    assert not torch.equal(u0, initial), "U must have been updated"
+    losses = results[0]["losses"]
+    assert sum(losses[-10:]) / 10 < 0.7 * sum(losses[:10]) / 10
+
+
+@pytest.mark.parametrize("tp,pp,sp", [(1, 4, False), (2, 2, True)], ids=["pp4", "tp2-pp2-sp"])
+def test_four_rank_layouts_train_with_identical_replicas(tp, pp, sp):
+    results = run_distributed(_train, 4, MaplConfig(ratio=4), 15, tp, pp, sp, timeout=300)
+    losses = results[0]["losses"]
+    assert losses[-1] < losses[0]
+    stage_of = lambda rank: rank // tp  # noqa: E731  (ranks: TP fastest, then PP)
+    for boundary in range(pp - 1):
+        holders = [r for r in range(4) if boundary in results[r]["projections"]]
+        assert {stage_of(r) for r in holders} == {boundary, boundary + 1}
+        for r in holders[1:]:
+            assert torch.equal(results[r]["projections"][boundary], results[holders[0]]["projections"][boundary])
+
+
+def test_fixed_projection_baseline_keeps_u():
+    results = run_distributed(_train, 2, MaplConfig(ratio=4, fixed_projection=True, anchor_rank=0), 5, timeout=120)
+    initial = random_stiefel(TINY_GPT.hidden_size, TINY_GPT.hidden_size // 4, torch.Generator().manual_seed(1234 * 7919))
+    assert torch.equal(results[0]["projections"][0], initial)
+
+
+def _parse(argv):
+    return mapl_config_from_args(add_mapl_args(argparse.ArgumentParser()).parse_args(argv))
+
+
+@pytest.mark.parametrize(
+    "argv,flag",
+    [
+        (["--mapl-ratio", "0.5"], "--mapl-ratio"),
+        (["--mapl-rank", "0"], "--mapl-rank"),
+        (["--mapl-ratio", "4", "--mapl-rank", "8"], "--mapl-ratio and --mapl-rank"),
+        (["--mapl-ratio", "4", "--mapl-anchor-rank", "-1"], "--mapl-anchor-rank"),
+        (["--mapl-ratio", "4", "--mapl-lr", "0"], "--mapl-lr"),
+        (["--mapl-ratio", "4", "--mapl-momentum", "1"], "--mapl-momentum"),
+    ],
+)
+def test_invalid_mapl_flags_name_the_flag(argv, flag):
+    with pytest.raises(MaplConfigError, match=flag):
+        _parse(argv)
+
+
+def test_invalid_mapl_combinations_with_the_model_are_rejected():
+    assert _parse([]) is None
+    with pytest.raises(MaplConfigError, match="--pipeline-model-parallel-size > 1"):
+        TrainConfig(TINY_GPT, mapl=MaplConfig(ratio=4))
+    with pytest.raises(MaplConfigError, match="--mapl-ratio: invalid value 7"):
+        TrainConfig(TINY_GPT, pipeline_parallel=2, mapl=MaplConfig(ratio=7))
+    with pytest.raises(MaplConfigError, match="--mapl-rank: invalid value 65"):
+        TrainConfig(TINY_GPT, pipeline_parallel=2, mapl=MaplConfig(rank=65))
