@@ -112,10 +112,40 @@ def _throughput_worker(steps: int, warmup: int, micro_batches: int):
     return results
 
 
-def _loss_worker(steps: int, eval_iters: int):
+def _pipeline_worker(steps: int, warmup: int, micro_batches: int):
+    """PP=2 throughput: uncompressed vs MAPL 4x and 8x (GPT shape of the TP runs, 8 micro-batches)."""
+    from megatron_taco.config.mapl import MaplConfig
+
+    results = []
+    model_name, shape = next(iter(THROUGHPUT_MODELS.items()))
+    for variant, mapl in (("baseline", None), ("MAPL 4x", MaplConfig(ratio=4)), ("MAPL 8x", MaplConfig(ratio=8))):
+        cfg = TrainConfig(shape, pipeline_parallel=2, micro_batch_size=1, num_microbatches=micro_batches,
+                          dtype="bf16", lr=1e-4, mapl=mapl)
+        trainer = Trainer(cfg)
+        data = synthetic_batches(shape.vocab_size, shape.seq_length, 1, seed=1)
+        times = []
+        for _ in range(steps):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            trainer.train_step(data)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        trainer.close()
+        step_s = statistics.median(times[warmup:])
+        results.append(dict(model=model_name, variant=variant, step_s=step_s,
+                            tokens_per_s=shape.seq_length * micro_batches / step_s, split={}))
+        if dist.get_rank() == 0:
+            print(f"  PP=2 {model_name} {variant}: {step_s * 1e3:.1f} ms/step", flush=True)
+        torch.cuda.empty_cache()
+    return results
+
+
+def _loss_worker(steps: int, eval_iters: int, models: str):
     train_files, valid_files = stdlib_text_files()
     curves = {}
     for model_name, shape in LOSS_MODELS.items():
+        if models != "all" and not model_name.lower().startswith(models):
+            continue
         for variant, taco in LOSS_VARIANTS.items():
             cfg = TrainConfig(shape, tensor_parallel=2, sequence_parallel=True, micro_batch_size=8,
                               num_microbatches=1, dtype="bf16", lr=1e-3, seed=1234, taco=taco)
@@ -139,20 +169,27 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--loss-steps", type=int, default=300)
     parser.add_argument("--eval-iters", type=int, default=20)
-    parser.add_argument("--parts", default="throughput,loss")
+    parser.add_argument("--parts", default="throughput,pipeline,loss")
+    parser.add_argument("--loss-models", default="all", help="all, gpt or qwen")
     args = parser.parse_args()
     os.environ["TACO_TEST_START_METHOD"] = "spawn"
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    results = {"throughput": {}, "loss": {}}
+    results = {"throughput": {}, "pipeline": {}, "loss": {}}
     if "throughput" in args.parts:
         for regime in args.regimes.split(","):
             print(f"throughput, regime {regime}", flush=True)
             results["throughput"][regime] = run_distributed(
                 _throughput_worker, 2, args.steps, args.warmup, args.micro_batches,
                 backend="nccl", env=REGIMES[regime], timeout=1200)[0]
+    if "pipeline" in args.parts:
+        for regime in args.regimes.split(","):
+            print(f"pipeline throughput, regime {regime}", flush=True)
+            results["pipeline"][regime] = run_distributed(
+                _pipeline_worker, 2, args.steps, args.warmup, 4 * args.micro_batches,
+                backend="nccl", env=REGIMES[regime], timeout=1200)[0]
     if "loss" in args.parts:
         print("loss study", flush=True)
-        results["loss"] = run_distributed(_loss_worker, 2, args.loss_steps, args.eval_iters,
+        results["loss"] = run_distributed(_loss_worker, 2, args.loss_steps, args.eval_iters, args.loss_models,
                                           backend="nccl", timeout=1200)[0]
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "e2e.json"), "w") as f:
@@ -192,7 +229,8 @@ def _write(args, results) -> None:
         "# End-to-end evaluation (2 GPUs)",
         "",
         f"- Command: `python benchmarks/e2e.py --out-dir {args.out_dir} --regimes {args.regimes} --steps {args.steps} "
-        f"--warmup {args.warmup} --micro-batches {args.micro_batches} --loss-steps {args.loss_steps} --parts {args.parts}`",
+        f"--warmup {args.warmup} --micro-batches {args.micro_batches} --loss-steps {args.loss_steps} --parts {args.parts} "
+        f"--loss-models {args.loss_models}`",
         f"- Date: {datetime.date.today().isoformat()}; 2 x {props.name}; torch {torch.__version__}, "
         f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, triton {triton.__version__}",
         "- Trainer: `megatron_taco.training` (megatron-core GPTModel, local spec, DDP, Adam, bf16 with fp32 main params).",
@@ -220,6 +258,20 @@ def _write(args, results) -> None:
                     f"{split.get('nccl', 0):.1f} | {split.get('other', 0):.1f} |"
                 )
         lines.append("")
+    if results["pipeline"]:
+        lines += [
+            "## Throughput: PP=2 (1F1B), bf16, micro-batch 1 x "
+            f"{4 * args.micro_batches} per step; median of steps {args.warmup + 1}-{args.steps}",
+            "",
+            "| regime | model | variant | ms/step | tokens/s | vs baseline |",
+            "|---|---|---|---|---|---|",
+        ]
+        for regime, rows in results["pipeline"].items():
+            base = rows[0]["tokens_per_s"]
+            for r in rows:
+                lines.append(f"| {regime} | {r['model']} | {r['variant']} | {r['step_s'] * 1e3:.1f} | "
+                             f"{r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base:.2f}x |")
+        lines.append("")
     if results["loss"]:
         lines += [
             f"## Loss on real text: TP=2 + SP, bf16, {args.loss_steps} steps of 8 x 512 byte-level tokens "
@@ -232,7 +284,7 @@ def _write(args, results) -> None:
         ]
         for key, curve in results["loss"].items():
             model, variant = key.split(" | ")
-            base = results["loss"][f"{model} | baseline"]["valid"]
+            base = results["loss"].get(f"{model} | baseline", curve)["valid"]
             tail = curve["train"][-20:]
             lines.append(f"| {model} | {variant} | {sum(tail) / len(tail):.4f} | {curve['valid']:.4f} | "
                          f"{100 * (curve['valid'] / base - 1):+.2f}% |")

@@ -140,12 +140,13 @@ class MaplSync:
             pair = self.groups[boundary.boundary]
             if boundary.trainable:
                 grad = boundary.projection.grad
-                if grad is None:
-                    grad = torch.zeros_like(boundary.projection)
-                    boundary.projection.grad = grad
+                # autograd may leave a transposed (non-contiguous) gradient; collectives need contiguous
+                grad = torch.zeros_like(boundary.projection) if grad is None else grad.contiguous()
+                boundary.projection.grad = grad
                 if sp:
                     dist.all_reduce(grad, group=tp_group)
                 dist.all_reduce(grad, group=dp_group)
+                grad /= parallel_state.get_data_parallel_world_size()  # DP-averaged, like the other gradients
                 dist.all_reduce(grad, group=pair)
             for param in (p for p in boundary.parameters() if getattr(p, "mapl_anchor", False)):
                 grad = getattr(param, "main_grad", None)
