@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_env.sh .venv "${MCORE_VERSION:-0.19.2}"
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} PYTHONWARNINGS=ignore
-exec .venv/bin/torchrun --nproc-per-node 2 examples/pretrain_gpt.py --config configs/gpt-tiny.yaml "$@"
+PYTHON=.venv/bin/python exec bash scripts/run.sh configs/gpt-tiny.yaml "$@"

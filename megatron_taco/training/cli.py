@@ -20,6 +20,7 @@ import yaml
 from megatron_taco.config.mapl import add_mapl_args, mapl_config_from_args
 from megatron_taco.config.taco import TacoConfigError, add_taco_args, taco_config_from_args
 from megatron_taco.megatron.telemetry import TELEMETRY
+from megatron_taco.training.checkpoint import load_checkpoint, save_checkpoint
 from megatron_taco.training.data import byte_text_batches, stdlib_text_files, synthetic_batches
 from megatron_taco.training.loop import Trainer, TrainConfig, init_distributed
 from megatron_taco.training.model import ModelShape
@@ -47,11 +48,18 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--eval-interval", type=int, default=0, help="steps between validation runs (0: only at the end "
                        "when --eval-iters > 0)")
     group.add_argument("--eval-iters", type=int, default=0, help="validation steps per evaluation")
+    group.add_argument("--save", default=None, help="directory for checkpoints")
+    group.add_argument("--save-interval", type=int, default=0, help="steps between checkpoints (0: only at the end)")
+    group.add_argument("--load", default=None, help="resume from the newest checkpoint in this directory")
     return parser
 
 
 def _apply_config_defaults(parser: argparse.ArgumentParser, argv: List[str]) -> Dict[str, Any]:
-    """Read ``--config`` (if any), set its training values as parser defaults; return its model section."""
+    """Read ``--config`` (if any), set its flag values as parser defaults; return its model section.
+
+    Sections: ``training`` (trainer flags), ``taco`` and ``mapl`` (the --taco-* / --mapl-* flags
+    without their prefix). Keys use ``_`` for ``-``; a null value keeps the flag's default.
+    """
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
@@ -59,12 +67,19 @@ def _apply_config_defaults(parser: argparse.ArgumentParser, argv: List[str]) -> 
         return {}
     with open(known.config) as f:
         doc = yaml.safe_load(f) or {}
-    training = doc.get("training", {}) or {}
+    unknown_sections = sorted(set(doc) - {"model", "training", "taco", "mapl"})
+    if unknown_sections:
+        parser.error(f"{known.config}: unknown sections {unknown_sections}; use model, training, taco, mapl")
+    defaults = {}
+    for section, prefix in (("training", ""), ("taco", "taco_"), ("mapl", "mapl_")):
+        for key, value in (doc.get(section) or {}).items():
+            if value is not None:
+                defaults[prefix + key] = value
     dests = {action.dest for action in parser._actions}
-    unknown = sorted(k for k in training if k not in dests)
+    unknown = sorted(k for k in defaults if k not in dests)
     if unknown:
-        parser.error(f"{known.config}: unknown training keys {unknown}")
-    parser.set_defaults(**training)
+        parser.error(f"{known.config}: unknown keys {unknown}")
+    parser.set_defaults(**defaults)
     return doc.get("model", {}) or {}
 
 
@@ -183,10 +198,16 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
              f"({cfg.shape.hidden_size / r:g}x), anchor rank {args.mapl.anchor_rank}"
              + (", fixed projection" if args.mapl.fixed_projection else ""))
     data, valid = make_data(args.data, cfg, args.seed, trainer.data_parallel_rank)
+    start = 0
+    if args.load:
+        start = load_checkpoint(trainer, args.load)
+        for _ in range(start * cfg.num_microbatches):  # the data stream is deterministic: skip what was consumed
+            next(data)
+        _log(f"resumed from {args.load} at step {start}")
     tokens_per_step = cfg.micro_batch_size * cfg.num_microbatches * data_parallel * cfg.shape.seq_length
     losses = []
     try:
-        for step in range(1, args.train_iters + 1):
+        for step in range(start + 1, args.train_iters + 1):
             start = time.perf_counter()
             stats = trainer.train_step(data)
             elapsed = time.perf_counter() - start
@@ -201,6 +222,8 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
                 (args.eval_interval and step % args.eval_interval == 0) or step == args.train_iters
             ):
                 _log(f"validation at step {step} | loss {trainer.evaluate(valid, args.eval_iters):.4f}")
+            if args.save and ((args.save_interval and step % args.save_interval == 0) or step == args.train_iters):
+                _log(f"saved checkpoint {save_checkpoint(trainer, args.save)}")
             if args.taco.enabled and args.taco.log_interval and step % args.taco.log_interval == 0:
                 for line in TELEMETRY.format_lines():
                     _log(line)

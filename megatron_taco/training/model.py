@@ -119,8 +119,9 @@ def build_gpt_model(
     config: TransformerConfig,
     layer_spec: Optional[ModuleSpec] = None,
     seed: int = 1234,
+    initialize: bool = True,
 ) -> GPTModel:
-    """This rank's pipeline stage of a GPTModel, initialised layout-invariantly."""
+    """This rank's pipeline stage of a GPTModel, initialised layout-invariantly (unless ``initialize=False``)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     model = GPTModel(
         config=config,
@@ -133,7 +134,8 @@ def build_gpt_model(
         position_embedding_type=shape.position_embedding,
         rotary_base=shape.rotary_base,
     )
-    init_layout_invariant_(model, config, seed)
+    if initialize:
+        init_layout_invariant_(model, config, seed)
     return model
 
 
@@ -155,8 +157,11 @@ def init_layout_invariant_(model: GPTModel, config: TransformerConfig, seed: int
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     out_std = config.init_method_std / (2.0 * config.num_layers) ** 0.5
+    tied = model.share_embeddings_and_output_weights
     for name, param in model.named_parameters():
         global_name = _global_name(model, name)
+        if tied and global_name == "output_layer.weight":  # the last stage's copy of the word embeddings
+            global_name = "embedding.word_embeddings.weight"
         sharded = getattr(param, "tensor_model_parallel", False)
         dim = getattr(param, "partition_dim", 0) if sharded else 0
         full_shape = list(param.shape)

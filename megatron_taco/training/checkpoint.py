@@ -1,0 +1,71 @@
+"""Per-rank checkpoints of the trainer: model (MAPL projections and anchors included), optimizers, step.
+
+Layout: ``DIR/iter_0000123/rank_00001.pt`` plus ``DIR/latest`` naming the newest
+iteration. Every rank saves and loads its own file (TP/PP shards differ); the
+same parallel layout is needed to resume. The data stream is not stored: it is
+deterministic, and resuming fast-forwards it past the consumed micro-batches.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_taco.training.loop import Trainer
+
+
+def _iteration_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"iter_{step:07d}")
+
+
+def save_checkpoint(trainer: Trainer, root: str) -> str:
+    """Write this rank's state for ``trainer.step_count``; rank 0 updates ``latest`` after a barrier."""
+    path = _iteration_dir(root, trainer.step_count)
+    os.makedirs(path, exist_ok=True)
+    state = {
+        "step": trainer.step_count,
+        "model": trainer.model.state_dict(),
+        "optimizer": trainer.optimizer.state_dict(),
+        "manifold_optimizer": (
+            trainer.mapl_sync.optimizer.state_dict()
+            if trainer.mapl_sync is not None and trainer.mapl_sync.optimizer is not None else None
+        ),
+        "torch_rng": torch.get_rng_state(),
+        "world_size": dist.get_world_size(),
+    }
+    torch.save(state, os.path.join(path, f"rank_{dist.get_rank():05d}.pt"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(root, "latest"), "w") as f:
+            f.write(str(trainer.step_count))
+    dist.barrier()
+    return path
+
+
+def latest_step(root: str) -> Optional[int]:
+    marker = os.path.join(root, "latest")
+    if not os.path.exists(marker):
+        return None
+    with open(marker) as f:
+        return int(f.read().strip())
+
+
+def load_checkpoint(trainer: Trainer, root: str) -> int:
+    """Restore this rank's state from the newest checkpoint under ``root``; return its step."""
+    step = latest_step(root)
+    if step is None:
+        raise FileNotFoundError(f"--load {root}: no checkpoint (missing {os.path.join(root, 'latest')})")
+    file = os.path.join(_iteration_dir(root, step), f"rank_{dist.get_rank():05d}.pt")
+    state = torch.load(file, map_location=trainer.device, weights_only=False)
+    if state["world_size"] != dist.get_world_size():
+        raise ValueError(f"--load {root}: saved with world size {state['world_size']}, now {dist.get_world_size()}")
+    trainer.model.load_state_dict(state["model"])
+    trainer.optimizer.load_state_dict(state["optimizer"])
+    if state["manifold_optimizer"] is not None:
+        trainer.mapl_sync.optimizer.load_state_dict(state["manifold_optimizer"])
+    torch.set_rng_state(state["torch_rng"])
+    trainer.step_count = state["step"]
+    return step

@@ -1,0 +1,112 @@
+"""Configs, the trainer's command line (TACO on, resume) and the scripts users run."""
+
+import glob
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from megatron_taco.testing.distributed import run_distributed
+from megatron_taco.training import cli
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+
+# Published parameter counts (embeddings included), for the configs of published architectures.
+PUBLISHED_PARAMS = {
+    "gpt-125m.yaml": 125e6,
+    "gpt-1.3b.yaml": 1.3e9,
+    "qwen2.5-0.5b.yaml": 0.49e9,
+    "qwen2.5-1.5b.yaml": 1.54e9,
+    "qwen2.5-7b.yaml": 7.62e9,
+}
+
+
+def test_every_config_is_tested():
+    names = {os.path.basename(c) for c in CONFIGS}
+    assert names == set(PUBLISHED_PARAMS) | {"gpt-tiny.yaml", "qwen-tiny.yaml"}
+
+
+def _meta_parameter_count(path):
+    """Build the whole model (TP=1, PP=1) on the meta device and count its parameters."""
+    from megatron_taco.megatron.cpu_runtime import cpu_config_overrides, enable_cpu_runtime
+    from megatron_taco.megatron.specs import LOCAL_SPEC_CONFIG, taco_layer_spec
+    from megatron_taco.training.model import build_gpt_model, make_transformer_config
+    from megatron.core import parallel_state
+
+    args = cli.parse_args(["--config", path])
+    enable_cpu_runtime()
+    parallel_state.initialize_model_parallel(1, 1)
+    config = make_transformer_config(
+        args.shape, tensor_parallel=1, pipeline_parallel=1, sequence_parallel=False, params_dtype=torch.float32,
+        extra={**LOCAL_SPEC_CONFIG, **cpu_config_overrides(), "perform_initialization": False},
+    )
+    with torch.device("meta"):
+        model = build_gpt_model(args.shape, config, taco_layer_spec(), initialize=False)
+    parallel_state.destroy_model_parallel()
+    return sum(p.numel() for p in model.parameters()), args.taco.enabled, args.mapl
+
+
+@pytest.mark.parametrize("path", [c for c in CONFIGS if os.path.basename(c) in PUBLISHED_PARAMS],
+                         ids=lambda p: os.path.basename(p))
+def test_published_configs_parse_and_build_with_their_parameter_count(path):
+    count, taco_on, mapl = run_distributed(_meta_parameter_count, 1, path, timeout=300)[0]
+    expected = PUBLISHED_PARAMS[os.path.basename(path)]
+    assert abs(count - expected) / expected < 0.04, (count, expected)
+    assert taco_on
+
+
+def _train_cli(argv):
+    return cli.main(argv)
+
+
+@pytest.mark.parametrize("config", ["gpt-tiny.yaml", "qwen-tiny.yaml"])
+def test_trainer_trains_with_taco_and_resumes_to_the_same_losses(config, tmp_path):
+    path = os.path.join(ROOT, "configs", config)
+    common = ["--config", path, "--taco-log-interval", "0"]
+    straight = run_distributed(_train_cli, 2, common + ["--train-iters", "6"], timeout=180)[0]
+    first = run_distributed(_train_cli, 2, common + ["--train-iters", "3", "--save", str(tmp_path)], timeout=180)[0]
+    resumed = run_distributed(_train_cli, 2, common + ["--train-iters", "6", "--load", str(tmp_path)], timeout=180)[0]
+    assert first == straight[:3]
+    assert resumed == straight[3:], "resuming must reproduce the uninterrupted run exactly"
+    assert straight[-1] < straight[0]
+
+
+def test_trainer_trains_pp2_with_mapl_and_resumes(tmp_path):
+    path = os.path.join(ROOT, "configs", "gpt-tiny.yaml")
+    common = ["--config", path, "--tensor-model-parallel-size", "1", "--no-sequence-parallel",
+              "--pipeline-model-parallel-size", "2", "--taco-mode", "none", "--mapl-ratio", "4"]
+    straight = run_distributed(_train_cli, 2, common + ["--train-iters", "4"], timeout=180)[0]
+    run_distributed(_train_cli, 2, common + ["--train-iters", "2", "--save", str(tmp_path)], timeout=180)
+    resumed = run_distributed(_train_cli, 2, common + ["--train-iters", "4", "--load", str(tmp_path)], timeout=180)[0]
+    assert resumed == straight[2:]
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (["--taco-mode", "bogus"], "--taco-mode"),
+        (["--mapl-ratio", "4"], "--pipeline-model-parallel-size > 1"),
+        (["--sequence-parallel", "--tensor-model-parallel-size", "1"], "--sequence-parallel"),
+    ],
+)
+def test_bad_command_lines_fail_with_the_flag_named(argv, message):
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "examples/pretrain_gpt.py",
+         "--config", "configs/gpt-tiny.yaml", "--tensor-model-parallel-size", "1", "--no-sequence-parallel", *argv],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode != 0
+    assert message in proc.stdout + proc.stderr
+
+
+def test_run_script_launches_the_config(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHON=sys.executable, PYTHONWARNINGS="ignore")
+    proc = subprocess.run(["bash", "scripts/run.sh", "configs/gpt-tiny.yaml", "--train-iters", "2"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "step 2/2 | loss" in proc.stdout
+    assert "taco total" not in proc.stdout or "x)" in proc.stdout
