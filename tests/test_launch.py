@@ -1,0 +1,71 @@
+"""The Megatron-LM launcher against a stand-in training script (tests/standin/pretrain_standin.py)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STANDIN = os.path.join(ROOT, "tests", "standin", "pretrain_standin.py")
+MODEL_FLAGS = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+               "--max-position-embeddings", "32", "--transformer-impl", "local"]
+
+import megatron_taco.launch  # noqa: E402,F401  (its Python 3.11 shim lets megatron.training import)
+
+try:
+    import megatron.training.arguments  # noqa: F401
+except ImportError:
+    pytest.skip("needs megatron.training (Megatron-LM's argument parser; in the megatron-core wheel from 0.17)",
+                allow_module_level=True)
+
+
+def _launch(tmp_path, *flags):
+    out = tmp_path / "report.json"
+    env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_taco.launch", STANDIN, *MODEL_FLAGS, "--standin-out", str(out), *flags],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    report = json.loads(out.read_text()) if out.exists() else None
+    return proc, report
+
+
+def test_launcher_adds_flags_swaps_linears_and_attaches_chosen_layers(tmp_path):
+    proc, report = _launch(tmp_path, "--taco-mode", "fp8", "--taco-layers", "2-3", "--taco-linears", "fc2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert report["taco_mode"] == "fp8"
+    assert [layer["qkv"] for layer in report["layers"]] == ["TacoColumnParallelLinear"] * 3
+    assert [layer["fc2_compressed"] for layer in report["layers"]] == [False, True, True]
+    assert not any(layer["qkv_compressed"] for layer in report["layers"])
+    assert report["final_norm"] in ("SequenceParallelNorm", "FusedLayerNorm")
+    assert "TACO fp8 attached" in proc.stdout
+
+
+def test_launcher_without_taco_flags_keeps_stock_behaviour(tmp_path):
+    proc, report = _launch(tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert report["taco_mode"] == "none"
+    assert not any(layer["fc2_compressed"] or layer["qkv_compressed"] for layer in report["layers"])
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--taco-mode", "int4"], "--taco-mode: invalid value 'int4'"),
+        (["--taco-mode", "fp8", "--transformer-impl", "transformer_engine"], "needs --transformer-impl local"),
+        (["--taco-mode", "fp8", "--taco-layers", "2-9"], "--taco-layers: layer range 2-9 exceeds"),
+        (["--mapl-ratio", "8"], "MAPL is not available through the Megatron-LM launcher"),
+    ],
+)
+def test_launcher_rejects_bad_flags_at_start_up(tmp_path, flags, message):
+    proc, report = _launch(tmp_path, *flags)
+    assert proc.returncode != 0 and report is None
+    assert message in proc.stderr
+
+
+def test_launcher_needs_a_script():
+    proc = subprocess.run([sys.executable, "-m", "megatron_taco.launch", "no_such_script.py"], cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0 and "not found" in proc.stderr
