@@ -127,9 +127,25 @@ class MaplSync:
         self.stages = stages
         self.groups = _pair_groups()
         self.boundaries = [b for stage in stages for b in stage.boundaries()]
+        self._check_pairs_agree()
         self.trainable = [b for b in self.boundaries if b.trainable]
         self.optimizer = StiefelMomentumSGD([b.projection for b in self.trainable], lr=lr, momentum=momentum) \
             if self.trainable else None
+
+    def _check_pairs_agree(self) -> None:
+        """Both sides of every boundary must use the same settings, or the r-wide P2P would hang."""
+        for boundary in self.boundaries:
+            mine = torch.tensor([boundary.hidden_size, boundary.rank, boundary.anchor_rank, int(boundary.trainable)],
+                                dtype=torch.int64, device=boundary.projection.device)
+            both = [torch.zeros_like(mine) for _ in range(2)]
+            dist.all_gather(both, mine, group=self.groups[boundary.boundary])
+            if not torch.equal(both[0], both[1]):
+                describe = lambda t: f"rank {int(t[1])} of {int(t[0])}, anchor rank {int(t[2])}, " \
+                    f"{'learned' if t[3] else 'fixed'} projection"  # noqa: E731
+                raise RuntimeError(
+                    f"MAPL settings differ across pipeline boundary {boundary.boundary}: sender "
+                    f"{describe(both[0])}; receiver {describe(both[1])}"
+                )
 
     def finalize_grads(self) -> None:
         """Sum U and anchor gradients over TP (U only; anchors via SP tagging), DP and the boundary pair."""

@@ -137,7 +137,8 @@ class Trainer:
             for boundary in self.mapl_boundaries:  # U stays fp32 (orthogonality to ~1e-7)
                 boundary.projection = boundary.projection.detach().float().requires_grad_(boundary.trainable)
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
+            check_for_nan_in_grad=True,  # NaN/Inf gradients stop training with an error, compressed or not
         )
         self.model = DistributedDataParallel(self.config, ddp_config, module)
         self.optimizer = get_megatron_optimizer(
