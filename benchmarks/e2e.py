@@ -86,6 +86,18 @@ def _gpu_time_split(trainer: Trainer, data) -> dict:
     return split
 
 
+def _median_step_s(trainer: Trainer, data, steps: int, warmup: int) -> float:
+    """Median wall time of a training step, the first ``warmup`` steps excluded."""
+    times = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        trainer.train_step(data)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[warmup:])
+
+
 def _throughput_worker(steps: int, warmup: int, micro_batches: int):
     results = []
     for model_name, shape in THROUGHPUT_MODELS.items():
@@ -94,16 +106,9 @@ def _throughput_worker(steps: int, warmup: int, micro_batches: int):
                               num_microbatches=micro_batches, dtype="bf16", lr=1e-4, taco=taco)
             trainer = Trainer(cfg)
             data = synthetic_batches(shape.vocab_size, shape.seq_length, 1, seed=1)
-            times = []
-            for step in range(steps):
-                torch.cuda.synchronize()
-                start = time.perf_counter()
-                trainer.train_step(data)
-                torch.cuda.synchronize()
-                times.append(time.perf_counter() - start)
-            split = _gpu_time_split(trainer, data) if taco is not None or variant == "baseline" else {}
+            step_s = _median_step_s(trainer, data, steps, warmup)
+            split = _gpu_time_split(trainer, data)
             trainer.close()
-            step_s = statistics.median(times[warmup:])
             results.append(dict(model=model_name, variant=variant, step_s=step_s,
                                 tokens_per_s=shape.seq_length * micro_batches / step_s, split=split))
             if dist.get_rank() == 0:
@@ -123,15 +128,8 @@ def _pipeline_worker(steps: int, warmup: int, micro_batches: int):
                           dtype="bf16", lr=1e-4, mapl=mapl)
         trainer = Trainer(cfg)
         data = synthetic_batches(shape.vocab_size, shape.seq_length, 1, seed=1)
-        times = []
-        for _ in range(steps):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            trainer.train_step(data)
-            torch.cuda.synchronize()
-            times.append(time.perf_counter() - start)
+        step_s = _median_step_s(trainer, data, steps, warmup)
         trainer.close()
-        step_s = statistics.median(times[warmup:])
         results.append(dict(model=model_name, variant=variant, step_s=step_s,
                             tokens_per_s=shape.seq_length * micro_batches / step_s, split={}))
         if dist.get_rank() == 0:

@@ -111,23 +111,14 @@ def all_gather(
         work = dist.all_gather_into_tensor(out, x, group=group, async_op=True)
         return _finish(lambda: (work.wait(), out)[1], async_op)
 
-    rows = x.shape[0]
-    row_numel = x[0].numel()
-    out_by_rank = out.view(world, rows * row_numel)
-    inflight = []
-    for start, end in _row_pieces(rows, row_numel * x.element_size(), options, x.is_cuda):
+    def send(start: int, end: int):
         message = codec.compress(x[start:end])
         gathered = torch.empty(world * message.numel(), dtype=torch.uint8, device=x.device)
         work = dist.all_gather_into_tensor(gathered, message, group=group, async_op=True)
-        inflight.append((work, gathered.view(world, -1), out_by_rank[:, start * row_numel : end * row_numel]))
+        return work, gathered.view(world, -1)
 
-    def finish() -> torch.Tensor:
-        for work, gathered, destination in inflight:
-            work.wait()
-            codec.decompress_rows(gathered, destination, validate=False)
-        return out
-
-    return _finish(finish, async_op)
+    # destination of rows [start, end) of every rank's shard: a [world, piece] view of the output
+    return _pipelined(x, x.shape[0], out, out.view(world, -1), send, codec, options, async_op)
 
 
 def reduce_scatter(
@@ -151,21 +142,14 @@ def reduce_scatter(
 
     row_numel = x[0].numel()
     chunks = x.view(world, rows * row_numel)  # chunk r goes to rank r
-    out_flat = out.view(1, rows * row_numel)
-    inflight = []
-    for start, end in _row_pieces(rows, row_numel * x.element_size(), options, x.is_cuda):
+
+    def send(start: int, end: int):
         messages = codec.compress_rows(chunks[:, start * row_numel : end * row_numel])
         received = torch.empty_like(messages)
-        work = dist.all_to_all_single(received, messages, group=group, async_op=True)
-        inflight.append((work, received, out_flat[:, start * row_numel : end * row_numel]))
+        return dist.all_to_all_single(received, messages, group=group, async_op=True), received
 
-    def finish() -> torch.Tensor:
-        for work, received, destination in inflight:
-            work.wait()
-            codec.decompress_rows(received, destination, validate=False)
-        return out
-
-    return _finish(finish, async_op)
+    # all received messages of a piece sum into one row: a [1, piece] view of the output
+    return _pipelined(x, rows, out, out.view(1, -1), send, codec, options, async_op)
 
 
 def all_reduce(
@@ -193,6 +177,34 @@ def all_reduce(
     def finish() -> torch.Tensor:
         gathered = all_gather(reducing.wait(), group, codec, options)
         return gathered.view(-1)[: flat.numel()].view(x.shape)
+
+    return _finish(finish, async_op)
+
+
+def _pipelined(
+    x: torch.Tensor,
+    rows: int,
+    out: torch.Tensor,
+    out_rows: torch.Tensor,
+    send: Callable[[int, int], Tuple[dist.Work, torch.Tensor]],
+    codec: TacoCodec,
+    options: CommOptions,
+    async_op: bool,
+):
+    """Compress and send row pieces [start, end) of ``x`` one after another (``send`` returns the
+    collective's work and its receive buffer); decode each piece into its columns of ``out_rows``
+    as soon as it has landed."""
+    row_numel = x[0].numel()
+    inflight = []
+    for start, end in _row_pieces(rows, row_numel * x.element_size(), options, x.is_cuda):
+        work, received = send(start, end)
+        inflight.append((work, received, out_rows[:, start * row_numel : end * row_numel]))
+
+    def finish() -> torch.Tensor:
+        for work, received, destination in inflight:
+            work.wait()
+            codec.decompress_rows(received, destination, validate=False)
+        return out
 
     return _finish(finish, async_op)
 
