@@ -102,3 +102,26 @@ def test_invalid_layouts_are_rejected():
         TrainConfig(TINY_GPT, tensor_parallel=1, sequence_parallel=True)
     with pytest.raises(ValueError, match="dtype"):
         TrainConfig(TINY_GPT, dtype="fp64")
+
+
+def test_text_goes_through_a_megatron_core_indexed_dataset(tmp_path):
+    import pathlib
+
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from megatron_taco.training.data import build_byte_dataset, indexed_dataset_batches
+
+    files = []
+    for i, text in enumerate(["def f():\n    return 1\n", "", "class A:\n    pass\n" * 20]):
+        path = pathlib.Path(tmp_path) / f"f{i}.py"
+        path.write_text(text)
+        files.append(path)
+    prefix = build_byte_dataset(files, str(tmp_path / "ds"))
+    dataset = IndexedDataset(prefix)
+    assert len(dataset) == 2  # the empty file adds no document
+    assert bytes(dataset[0].tolist()) == b"def f():\n    return 1\n"
+    batch = next(indexed_dataset_batches(prefix, 16, 3, seed=1))
+    assert batch["tokens"].shape == (3, 16) and torch.equal(batch["tokens"][:, 1:], batch["labels"][:, :-1])
+    text = b"".join(p.read_bytes() for p in files)
+    for row in batch["tokens"]:
+        assert bytes(row.tolist()) in text

@@ -7,6 +7,7 @@ data loaders do.
 
 from __future__ import annotations
 
+import os
 from typing import Dict, Iterator
 
 import torch
@@ -58,13 +59,52 @@ def stdlib_text_files(validation_fraction: float = 0.05) -> "tuple[list, list]":
     return train, valid
 
 
+def build_byte_dataset(files: list, path_prefix: str) -> str:
+    """Tokenize text files byte-level (vocab 256) into a megatron-core indexed dataset (.bin/.idx).
+
+    One document per file. Returns ``path_prefix``. Rebuilt only when the .idx file is missing.
+    """
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    if not os.path.exists(path_prefix + ".idx"):
+        os.makedirs(os.path.dirname(path_prefix) or ".", exist_ok=True)
+        tmp = f".tmp{os.getpid()}"  # ranks building the same dataset at once each write their own files
+        builder = IndexedDatasetBuilder(path_prefix + ".bin" + tmp, dtype=numpy.uint16)
+        for path in files:
+            data = path.read_bytes()
+            if data:
+                builder.add_item(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int32))
+                builder.end_document()
+        builder.finalize(path_prefix + ".idx" + tmp)
+        os.replace(path_prefix + ".bin" + tmp, path_prefix + ".bin")
+        os.replace(path_prefix + ".idx" + tmp, path_prefix + ".idx")
+    return path_prefix
+
+
 def byte_text_batches(
     files: list, seq_length: int, micro_batch_size: int, seed: int, data_parallel_rank: int = 0
 ) -> Iterator[Dict[str, torch.Tensor]]:
-    """Endless micro-batches of random windows of the files' bytes (byte-level tokens, vocab 256)."""
-    corpus = torch.frombuffer(bytearray(b"".join(p.read_bytes() for p in files)), dtype=torch.uint8).long()
+    """Batches of text files, byte-level, through an indexed dataset cached under ~/.cache/megatron_taco."""
+    import hashlib
+
+    key = hashlib.sha1("\n".join(f"{p}:{p.stat().st_size}" for p in files).encode()).hexdigest()[:16]
+    cache = os.environ.get("MEGATRON_TACO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "megatron_taco"))
+    prefix = build_byte_dataset(files, os.path.join(cache, f"bytes-{key}"))
+    return indexed_dataset_batches(prefix, seq_length, micro_batch_size, seed, data_parallel_rank)
+
+
+def indexed_dataset_batches(
+    path_prefix: str, seq_length: int, micro_batch_size: int, seed: int, data_parallel_rank: int = 0
+) -> Iterator[Dict[str, torch.Tensor]]:
+    """Endless micro-batches of random windows of an indexed dataset's token stream (documents concatenated)."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(path_prefix)
+    corpus = torch.from_numpy(numpy.concatenate([dataset[i] for i in range(len(dataset))]).astype(numpy.int64))
     if corpus.numel() <= seq_length + 1:
-        raise ValueError(f"text corpus of {corpus.numel()} bytes is shorter than one sequence")
+        raise ValueError(f"dataset {path_prefix} holds {corpus.numel()} tokens: shorter than one sequence")
     gen = torch.Generator().manual_seed(seed * 1000003 + data_parallel_rank)
     positions = torch.arange(seq_length)
     while True:
