@@ -127,7 +127,48 @@ def install_hooks() -> None:
                 print(f"megatron_taco: TACO {cfg.default.mode} attached to layers {layers}", flush=True)
 
     GPTModel.__init__ = init
+
+    # 4. telemetry with Megatron-LM's own log: every --taco-log-interval iterations, to stdout and TensorBoard
+    if mlm_arguments is not None:
+        from megatron.training import training as mlm_training
+
+        original_log = mlm_training.training_log
+
+        @functools.wraps(original_log)
+        def training_log(*args, **kwargs):
+            result = original_log(*args, **kwargs)
+            log_telemetry(kwargs["iteration"] if "iteration" in kwargs else args[3])
+            return result
+
+        mlm_training.training_log = training_log
     _STATE["installed"] = True
+
+
+def log_telemetry(iteration: int, writer=None) -> List[str]:
+    """Print (rank 0) and write to TensorBoard the TACO traffic stats when ``iteration`` hits the interval.
+
+    ``writer`` defaults to Megatron-LM's TensorBoard writer (None when it has none). Returns the lines.
+    """
+    from megatron_taco.megatron.telemetry import TELEMETRY
+
+    cfg = _STATE["taco"]
+    if cfg is None or not cfg.enabled or not cfg.log_interval or iteration % cfg.log_interval:
+        return []
+    if writer is None:
+        try:
+            from megatron.training import get_tensorboard_writer
+
+            writer = get_tensorboard_writer()
+        except (ImportError, AssertionError):
+            writer = None
+    lines = TELEMETRY.format_lines()
+    if int(os.environ.get("RANK", "0")) == 0:
+        for line in lines:
+            print(line, flush=True)
+    if writer is not None:
+        TELEMETRY.write_tensorboard(writer, iteration)
+    TELEMETRY.reset()
+    return lines
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -69,3 +69,40 @@ def test_launcher_needs_a_script():
     proc = subprocess.run([sys.executable, "-m", "megatron_taco.launch", "no_such_script.py"], cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "not found" in proc.stderr
+
+
+class _ScalarRecorder:
+    """Stands in for a TensorBoard SummaryWriter (tensorboard is not installed here): records add_scalar calls."""
+
+    def __init__(self):
+        self.scalars = []
+
+    def add_scalar(self, tag, value, step):
+        self.scalars.append((tag, value, step))
+
+
+def test_telemetry_goes_to_the_log_and_tensorboard_at_the_interval():
+    import torch
+
+    from megatron_taco import launch
+    from megatron_taco.codec import TacoCodec
+    from megatron_taco.config.taco import LinearSettings, TacoConfig
+    from megatron_taco.megatron.telemetry import TELEMETRY
+
+    launch.install_hooks()
+    from megatron.training import training as mlm_training
+
+    assert hasattr(mlm_training.training_log, "__wrapped__"), "Megatron-LM's training_log must be wrapped"
+    launch._STATE["taco"] = TacoConfig(default=LinearSettings(mode="fp8-ash"), log_interval=5)
+    try:
+        TELEMETRY.reset()
+        TELEMETRY.record(("layer 1 fc1", "all_gather", "fwd"), torch.randn(64, 128), TacoCodec(), True)
+        writer = _ScalarRecorder()
+        assert launch.log_telemetry(3, writer) == [] and writer.scalars == []
+        lines = launch.log_telemetry(5, writer)
+        assert lines[0].startswith("taco layer 1: 1/1 messages compressed") and "taco total" in lines[-1]
+        tags = {tag for tag, _, step in writer.scalars if step == 5}
+        assert "taco/layer_1_fc1/all_gather_fwd/rel_error" in tags
+        assert not TELEMETRY.records, "stats restart after each report"
+    finally:
+        launch._STATE["taco"] = None

@@ -51,6 +51,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--save", default=None, help="directory for checkpoints")
     group.add_argument("--save-interval", type=int, default=0, help="steps between checkpoints (0: only at the end)")
     group.add_argument("--load", default=None, help="resume from the newest checkpoint in this directory")
+    group.add_argument("--tensorboard-dir", default=None, help="write loss and TACO telemetry scalars here (rank 0)")
     return parser
 
 
@@ -137,6 +138,17 @@ def _num_microbatches(args: argparse.Namespace, data_parallel: int) -> int:
     return global_batch // per_step
 
 
+def _tensorboard_writer(directory: Optional[str]):
+    """A SummaryWriter on rank 0 when --tensorboard-dir is given (None otherwise)."""
+    if not directory or dist.get_rank() != 0:
+        return None
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise SystemExit("error: --tensorboard-dir needs the tensorboard package (pip install tensorboard)") from None
+    return SummaryWriter(log_dir=directory)
+
+
 def _ranges(numbers: List[int]) -> str:
     """[1, 2, 3, 7] -> '1-3,7'."""
     parts, start = [], None
@@ -204,6 +216,7 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
         for _ in range(start * cfg.num_microbatches):  # the data stream is deterministic: skip what was consumed
             next(data)
         _log(f"resumed from {args.load} at step {start}")
+    writer = _tensorboard_writer(args.tensorboard_dir)
     tokens_per_step = cfg.micro_batch_size * cfg.num_microbatches * data_parallel * cfg.shape.seq_length
     losses = []
     try:
@@ -212,6 +225,8 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
             stats = trainer.train_step(data)
             elapsed = time.perf_counter() - start
             losses.append(stats["loss"])
+            if writer is not None:
+                writer.add_scalar("lm loss", stats["loss"], step)
             if step % args.log_interval == 0 or step == args.train_iters:
                 _log(
                     f"step {step}/{args.train_iters} | loss {stats['loss']:.4f} | "
@@ -227,6 +242,8 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
             if args.taco.enabled and args.taco.log_interval and step % args.taco.log_interval == 0:
                 for line in TELEMETRY.format_lines():
                     _log(line)
+                if writer is not None:
+                    TELEMETRY.write_tensorboard(writer, step)
                 TELEMETRY.reset()
     finally:
         trainer.close()
