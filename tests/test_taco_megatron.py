@@ -44,6 +44,15 @@ def test_mode_none_is_bit_identical_to_stock_megatron(shape, sp):
     assert stock == none
 
 
+def test_compression_off_by_threshold_takes_the_stock_path_exactly():
+    """When no message reaches --taco-min-bytes (e.g. the link probe switched compression off),
+    TACO's linears run megatron-core's own code path: same numbers as stock."""
+    never = TacoConfig(default=LinearSettings(mode="fp8-ash"), min_bytes=1 << 40)
+    stock = run_distributed(_train, 2, TINY_GPT, True, 3, None, timeout=120)[0]
+    off = run_distributed(_train, 2, TINY_GPT, True, 3, never, timeout=120)[0]
+    assert stock == off
+
+
 @pytest.mark.parametrize("shape,sp", [(TINY_GPT, True), (TINY_QWEN, False), (TINY_QWEN, True)], ids=["gpt-sp", "qwen-nosp", "qwen-sp"])
 def test_fp8_ash_training_stays_close_to_baseline(shape, sp):
     base = run_distributed(_train, 2, shape, sp, 30, None, timeout=300)[0]

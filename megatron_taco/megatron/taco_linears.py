@@ -58,6 +58,15 @@ class LinearCompression:
         return _AUTO_OPTIONS[key]
 
 
+    def compresses_any(self, group: dist.ProcessGroup, device: torch.device, fwd_bytes: int, bwd_bytes: int) -> bool:
+        """Whether a forward or backward message of these sizes would go compressed. When neither would,
+        the linear takes megatron-core's stock path, which overlaps its communication with compute."""
+        min_bytes = self.options(group, device).min_bytes
+        return (self.fwd_codec is not None and fwd_bytes >= min_bytes) or (
+            self.bwd_codec is not None and bwd_bytes >= min_bytes
+        )
+
+
 def _run(kind: str, x: torch.Tensor, group, codec: Optional[TacoCodec], cfg: LinearCompression, direction: str):
     options = cfg.options(group, x.device)
     TELEMETRY.record((cfg.name, kind, direction), x, codec, comm.compresses(x, codec, options))
@@ -119,11 +128,18 @@ class TacoColumnParallelLinear(ColumnParallelLinear):
 
     def _taco_forward_impl(self, input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         cfg = self.taco
-        if cfg is None:
+        sp, allreduce = kwargs.get("sequence_parallel"), kwargs.get("allreduce_dgrad")
+        if cfg is None or not (sp or allreduce):
             return self._stock_forward_impl(input=input, **kwargs)
-        if kwargs.get("sequence_parallel"):
+        nbytes = input.numel() * input.element_size()
+        world = dist.get_world_size(self.tp_group)
+        # SP: all-gather of the shard forward, reduce-scatter of the gathered grad backward
+        fwd_bytes, bwd_bytes = (nbytes, nbytes * world) if sp else (0, nbytes)
+        if not cfg.compresses_any(self.tp_group, input.device, fwd_bytes, bwd_bytes):
+            return self._stock_forward_impl(input=input, **kwargs)
+        if sp:
             input = _GatherFromSequenceParallel.apply(input, self.tp_group, cfg)
-        elif kwargs.get("allreduce_dgrad"):
+        else:
             input = _CopyToTensorParallel.apply(input, self.tp_group, cfg)
         kwargs.update(sequence_parallel=False, allreduce_dgrad=False)
         return self._stock_forward_impl(input=input, **kwargs)
@@ -141,18 +157,26 @@ class TacoRowParallelLinear(RowParallelLinear):
         self._forward_impl = self._taco_forward_impl
 
     def set_taco(self, cfg: Optional[LinearCompression]) -> None:
-        """Attach (or detach with None). With TACO the stock forward must skip its own reduction:
-        ``explicit_expert_comm`` is the switch megatron-core's forward reads for that."""
+        """Attach (or detach with None)."""
         if cfg is not None and not self.skip_bias_add:
             raise ValueError("TacoRowParallelLinear needs skip_bias_add=True (the bias is added after the reduction)")
         self.taco = cfg
-        self.explicit_expert_comm = True if cfg is not None else self._stock_explicit_expert_comm
 
     def _taco_forward_impl(self, input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         output = self._stock_forward_impl(input=input, **kwargs)
         cfg = self.taco
-        if cfg is None:
+        # megatron-core's forward reads ``explicit_expert_comm`` after this returns: True makes it skip
+        # its own reduction (done here, compressed); the stock value lets it reduce as usual.
+        self.explicit_expert_comm = self._stock_explicit_expert_comm
+        if cfg is None or dist.get_world_size(self.tp_group) == 1:
             return output
+        nbytes = output.numel() * output.element_size()
+        world = dist.get_world_size(self.tp_group)
+        # SP: reduce-scatter of the full output forward, all-gather of the grad shard backward
+        fwd_bytes, bwd_bytes = (nbytes, nbytes // world) if self.sequence_parallel else (nbytes, 0)
+        if not cfg.compresses_any(self.tp_group, output.device, fwd_bytes, bwd_bytes):
+            return output
+        self.explicit_expert_comm = True
         if self.sequence_parallel:
             return _ReduceScatterToSequenceParallel.apply(output, self.tp_group, cfg)
         return _ReduceFromTensorParallel.apply(output, self.tp_group, cfg)
