@@ -53,17 +53,20 @@ def test_cpu_runtime_refuses_on_gpu():
         enable_cpu_runtime()
 
 
-def _train_losses(shape, tp, pp, sp, steps, lr=1e-3):
-    cfg = TrainConfig(shape, tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp, lr=lr)
-    data = synthetic_batches(shape.vocab_size, shape.seq_length, cfg.micro_batch_size, seed=7)
-    return train(cfg, steps, data)
+def _train_losses(shape, tp, pp, sp, steps, lr=1e-3, vpp=None):
+    cfg = TrainConfig(shape, tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp, lr=lr,
+                      virtual_pipeline=vpp)
+    streams = [synthetic_batches(shape.vocab_size, shape.seq_length, cfg.micro_batch_size, seed=7)
+               for _ in range(vpp or 1)]
+    return train(cfg, steps, streams if vpp else streams[0])
 
 
-_LAYOUTS = {  # name: (tp, pp, sp, world)
-    "tp2_sp": (2, 1, True, 2),
-    "tp2_nosp": (2, 1, False, 2),
-    "pp2": (1, 2, False, 2),
-    "tp2_pp2_sp": (2, 2, True, 4),
+_LAYOUTS = {  # name: (tp, pp, sp, world, virtual pipeline chunks)
+    "tp2_sp": (2, 1, True, 2, None),
+    "tp2_nosp": (2, 1, False, 2, None),
+    "pp2": (1, 2, False, 2, None),
+    "pp2_interleaved": (1, 2, False, 2, 2),
+    "tp2_pp2_sp": (2, 2, True, 4, None),
 }
 
 
@@ -77,8 +80,8 @@ def reference_losses():
 
 @pytest.mark.parametrize("layout", sorted(_LAYOUTS))
 def test_parallel_layouts_match_single_rank_loss(layout, reference_losses):
-    tp, pp, sp, world = _LAYOUTS[layout]
-    losses = run_distributed(_train_losses, world, TINY_GPT, tp, pp, sp, 3, timeout=180)
+    tp, pp, sp, world, vpp = _LAYOUTS[layout]
+    losses = run_distributed(_train_losses, world, TINY_GPT, tp, pp, sp, 3, 1e-3, vpp, timeout=180)
     for rank_losses in losses:  # every rank reports the same loss sequence
         assert rank_losses == losses[0]
     ref = reference_losses["gpt"]
@@ -102,6 +105,12 @@ def test_invalid_layouts_are_rejected():
         TrainConfig(TINY_GPT, tensor_parallel=1, sequence_parallel=True)
     with pytest.raises(ValueError, match="dtype"):
         TrainConfig(TINY_GPT, dtype="fp64")
+    with pytest.raises(ValueError, match="virtual pipeline"):
+        TrainConfig(TINY_GPT, virtual_pipeline=2)
+    with pytest.raises(ValueError, match="do not split"):
+        TrainConfig(TINY_GPT, pipeline_parallel=2, virtual_pipeline=3)
+    with pytest.raises(ValueError, match="divisible"):
+        TrainConfig(TINY_GPT, pipeline_parallel=2, virtual_pipeline=2, num_microbatches=3)
 
 
 def test_text_goes_through_a_megatron_core_indexed_dataset(tmp_path):

@@ -116,6 +116,37 @@ def test_four_rank_layouts_train_with_identical_replicas(tp, pp, sp):
             assert torch.equal(results[r]["projections"][boundary], results[holders[0]]["projections"][boundary])
 
 
+def _train_interleaved(steps):
+    cfg = TrainConfig(TINY_GPT, pipeline_parallel=2, virtual_pipeline=2, lr=3e-3, mapl=MaplConfig(ratio=4))
+    trainer = Trainer(cfg)
+    streams = [synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, 2, seed=1) for _ in range(2)]
+    shapes = []
+    original = dist.batch_isend_irecv
+
+    def recording(ops):
+        shapes.extend(tuple(op.tensor.shape) for op in ops)
+        return original(ops)
+
+    dist.batch_isend_irecv = recording
+    try:
+        losses = [trainer.train_step(streams)["loss"] for _ in range(steps)]
+    finally:
+        dist.batch_isend_irecv = original
+    projections = {b.boundary: b.projection.detach().clone() for b in trainer.mapl_boundaries}
+    trainer.close()
+    return losses, projections, shapes
+
+
+def test_interleaved_schedule_carries_r_wide_tensors_at_every_boundary():
+    results = run_distributed(_train_interleaved, 2, 20, timeout=300)
+    (losses, u0, shapes0), (_, u1, shapes1) = results
+    # 2 stages x 2 chunks: boundaries 0, 1, 2 (positions 0-1, 1-2, 2-3), each held by both ranks
+    assert sorted(u0) == sorted(u1) == [0, 1, 2]
+    assert all(torch.equal(u0[b], u1[b]) for b in u0)
+    assert shapes0 and all(s[-1] == TINY_GPT.hidden_size // 4 for s in shapes0 + shapes1)
+    assert losses[-1] < losses[0]
+
+
 def test_fixed_projection_baseline_keeps_u():
     results = run_distributed(_train, 2, MaplConfig(ratio=4, fixed_projection=True, anchor_rank=0), 5, timeout=120)
     initial = random_stiefel(TINY_GPT.hidden_size, TINY_GPT.hidden_size // 4, torch.Generator().manual_seed(1234 * 7919))

@@ -110,9 +110,10 @@ def _pair_groups() -> Dict[int, dist.ProcessGroup]:
     own = tuple(dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group()))
     if own not in pipelines:
         raise RuntimeError(f"unexpected pipeline layout {own}; MAPL expects stages spaced by world/PP")
-    for boundary in range(pp - 1):
+    chunks = parallel_state.get_virtual_pipeline_model_parallel_world_size() or 1
+    for boundary in range(pp * chunks - 1):  # boundary g joins pipeline positions g and g + 1
         for pipeline in pipelines:
-            ranks = (pipeline[boundary], pipeline[boundary + 1])
+            ranks = tuple(sorted((pipeline[boundary % pp], pipeline[(boundary + 1) % pp])))
             if ranks not in _PAIR_GROUPS:
                 _PAIR_GROUPS[ranks] = dist.new_group(list(ranks))
             if me in ranks:
@@ -137,14 +138,16 @@ class MaplSync:
         for boundary in self.boundaries:
             mine = torch.tensor([boundary.hidden_size, boundary.rank, boundary.anchor_rank, int(boundary.trainable)],
                                 dtype=torch.int64, device=boundary.projection.device)
+            group = self.groups[boundary.boundary]
             both = [torch.zeros_like(mine) for _ in range(2)]
-            dist.all_gather(both, mine, group=self.groups[boundary.boundary])
+            dist.all_gather(both, mine, group=group)
             if not torch.equal(both[0], both[1]):
                 describe = lambda t: f"rank {int(t[1])} of {int(t[0])}, anchor rank {int(t[2])}, " \
                     f"{'learned' if t[3] else 'fixed'} projection"  # noqa: E731
+                ranks = dist.get_process_group_ranks(group)
                 raise RuntimeError(
-                    f"MAPL settings differ across pipeline boundary {boundary.boundary}: sender "
-                    f"{describe(both[0])}; receiver {describe(both[1])}"
+                    f"MAPL settings differ across pipeline boundary {boundary.boundary}: global rank {ranks[0]} "
+                    f"uses {describe(both[0])}; global rank {ranks[1]} uses {describe(both[1])}"
                 )
 
     def finalize_grads(self) -> None:

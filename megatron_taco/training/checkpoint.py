@@ -27,7 +27,7 @@ def save_checkpoint(trainer: Trainer, root: str) -> str:
     os.makedirs(path, exist_ok=True)
     state = {
         "step": trainer.step_count,
-        "model": trainer.model.state_dict(),
+        "model": [model.state_dict() for model in trainer.models],
         "optimizer": trainer.optimizer.state_dict(),
         "manifold_optimizer": (
             trainer.mapl_sync.optimizer.state_dict()
@@ -62,7 +62,10 @@ def load_checkpoint(trainer: Trainer, root: str) -> int:
     state = torch.load(file, map_location=trainer.device, weights_only=False)
     if state["world_size"] != dist.get_world_size():
         raise ValueError(f"--load {root}: saved with world size {state['world_size']}, now {dist.get_world_size()}")
-    trainer.model.load_state_dict(state["model"])
+    if len(state["model"]) != len(trainer.models):
+        raise ValueError(f"--load {root}: saved {len(state['model'])} model chunks per stage, now {len(trainer.models)}")
+    for model, saved in zip(trainer.models, state["model"]):
+        model.load_state_dict(saved)
     trainer.optimizer.load_state_dict(state["optimizer"])
     if state["manifold_optimizer"] is not None:
         trainer.mapl_sync.optimizer.load_state_dict(state["manifold_optimizer"])

@@ -31,6 +31,8 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--config", help="YAML file with a model section and training defaults")
     group.add_argument("--tensor-model-parallel-size", type=int, default=1)
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    group.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
+                       help="model chunks per pipeline stage (interleaved 1F1B schedule)")
     group.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=False)
     group.add_argument("--micro-batch-size", type=int, default=2)
     group.add_argument("--global-batch-size", type=int, default=None,
@@ -171,6 +173,7 @@ def _train_config(args: argparse.Namespace, data_parallel: int) -> TrainConfig:
         shape=args.shape,
         tensor_parallel=args.tensor_model_parallel_size,
         pipeline_parallel=args.pipeline_model_parallel_size,
+        virtual_pipeline=args.virtual_pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
         micro_batch_size=args.micro_batch_size,
         num_microbatches=_num_microbatches(args, max(data_parallel, 1)),
@@ -206,15 +209,20 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
              f"min-bytes {'auto' if args.taco.min_bytes is None else args.taco.min_bytes}")
     if args.mapl is not None:
         r = args.mapl.wire_rank(cfg.shape.hidden_size)
-        _log(f"MAPL: {cfg.pipeline_parallel - 1} boundaries, hidden {cfg.shape.hidden_size} -> {r} "
+        boundaries = cfg.pipeline_parallel * (cfg.virtual_pipeline or 1) - 1
+        _log(f"MAPL: {boundaries} boundaries, hidden {cfg.shape.hidden_size} -> {r} "
              f"({cfg.shape.hidden_size / r:g}x), anchor rank {args.mapl.anchor_rank}"
              + (", fixed projection" if args.mapl.fixed_projection else ""))
-    data, valid = make_data(args.data, cfg, args.seed, trainer.data_parallel_rank)
+    # one identical stream per model chunk (the interleaved schedule reads each chunk's own)
+    streams = [make_data(args.data, cfg, args.seed, trainer.data_parallel_rank) for _ in trainer.models]
+    data = [train for train, _ in streams] if len(streams) > 1 else streams[0][0]
+    valid = [v for _, v in streams] if len(streams) > 1 else streams[0][1]
     start = 0
     if args.load:
         start = load_checkpoint(trainer, args.load)
-        for _ in range(start * cfg.num_microbatches):  # the data stream is deterministic: skip what was consumed
-            next(data)
+        for stream in data if isinstance(data, list) else [data]:
+            for _ in range(start * cfg.num_microbatches):  # the data stream is deterministic: skip what was consumed
+                next(stream)
         _log(f"resumed from {args.load} at step {start}")
     writer = _tensorboard_writer(args.tensorboard_dir)
     tokens_per_step = cfg.micro_batch_size * cfg.num_microbatches * data_parallel * cfg.shape.seq_length

@@ -47,6 +47,7 @@ class TrainConfig:
     shape: ModelShape
     tensor_parallel: int = 1
     pipeline_parallel: int = 1
+    virtual_pipeline: Optional[int] = None  # model chunks per pipeline stage (interleaved 1F1B)
     sequence_parallel: bool = False
     micro_batch_size: int = 2
     num_microbatches: int = 2
@@ -67,6 +68,16 @@ class TrainConfig:
         for name in ("tensor_parallel", "pipeline_parallel", "micro_batch_size", "num_microbatches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.virtual_pipeline is not None:
+            if self.pipeline_parallel < 2 or self.virtual_pipeline < 2:
+                raise ValueError("--virtual-pipeline-model-parallel-size: a virtual pipeline needs "
+                                 "--pipeline-model-parallel-size > 1 and at least 2 chunks per stage")
+            if self.shape.num_layers % (self.pipeline_parallel * self.virtual_pipeline):
+                raise ValueError(f"--virtual-pipeline-model-parallel-size: {self.shape.num_layers} layers do not split "
+                                 f"into {self.pipeline_parallel} stages x {self.virtual_pipeline} virtual chunks")
+            if self.num_microbatches % self.pipeline_parallel:
+                raise ValueError(f"the interleaved schedule needs micro-batches ({self.num_microbatches}) divisible by "
+                                 f"--pipeline-model-parallel-size {self.pipeline_parallel}")
         if self.mapl is not None:
             self.mapl.check_layout(self.pipeline_parallel)
             self.mapl.wire_rank(self.shape.hidden_size)
@@ -110,6 +121,7 @@ class Trainer:
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=cfg.tensor_parallel,
             pipeline_model_parallel_size=cfg.pipeline_parallel,
+            virtual_pipeline_model_parallel_size=cfg.virtual_pipeline,
         )
         model_parallel_cuda_manual_seed(cfg.seed)
         torch.manual_seed(cfg.seed)
@@ -122,25 +134,29 @@ class Trainer:
             sequence_parallel=cfg.sequence_parallel,
             params_dtype=dtype,
             dropout=cfg.dropout,
-            extra={**LOCAL_SPEC_CONFIG, **({} if on_gpu else cpu_config_overrides())},
+            extra={**LOCAL_SPEC_CONFIG, **({} if on_gpu else cpu_config_overrides()),
+                   "virtual_pipeline_model_parallel_size": cfg.virtual_pipeline},
         )
         if layer_spec is None and cfg.taco is not None:
             layer_spec = taco_layer_spec()
-        module = build_gpt_model(cfg.shape, self.config, layer_spec, seed=cfg.seed).to(self.device)
+        chunks = [build_gpt_model(cfg.shape, self.config, layer_spec, seed=cfg.seed, vp_stage=vp).to(self.device)
+                  for vp in (range(cfg.virtual_pipeline) if cfg.virtual_pipeline else [None])]
+        self._mapl_stages: list = []
         if cfg.mapl is not None:
-            module = self._wrap_mapl(module)
-        self.taco_layers = attach_taco([module], cfg.taco) if cfg.taco is not None else {}
+            chunks = [self._wrap_mapl(chunk, vp or 0) for vp, chunk in enumerate(chunks)]
+        self.taco_layers = attach_taco(chunks, cfg.taco) if cfg.taco is not None else {}
         if cfg.taco is not None:
             TELEMETRY.error_sample_interval = cfg.taco.error_sample_interval
         if dtype != torch.float32:  # Megatron's mixed precision: half params, fp32 logits and main params
-            module = Float16Module(self.config, module)
+            chunks = [Float16Module(self.config, chunk) for chunk in chunks]
             for boundary in self.mapl_boundaries:  # U stays fp32 (orthogonality to ~1e-7)
                 boundary.projection = boundary.projection.detach().float().requires_grad_(boundary.trainable)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
             check_for_nan_in_grad=True,  # NaN/Inf gradients stop training with an error, compressed or not
         )
-        self.model = DistributedDataParallel(self.config, ddp_config, module)
+        self.models = [DistributedDataParallel(self.config, ddp_config, chunk) for chunk in chunks]
+        self.model = self.models[0]
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
@@ -152,24 +168,32 @@ class Trainer:
                 params_dtype=dtype,
                 use_distributed_optimizer=False,
             ),
-            [self.model],
+            self.models,
         )
         self.config.finalize_model_grads_func = finalize_model_grads
-        self.config.no_sync_func = self.model.no_sync
+        no_sync = [m.no_sync for m in self.models]
+        self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.step_count = 0
         self.mapl_sync = None
-        self.schedule_model = self.model
+        self.schedule_models = self.models
         if cfg.mapl is not None:
             self.mapl_sync = MaplSync(self._mapl_stages, lr=cfg.mapl.lr, momentum=cfg.mapl.momentum)
-            self.schedule_model = ScheduleView(self.model, cfg.mapl.wire_rank(cfg.shape.hidden_size))
+            width = cfg.mapl.wire_rank(cfg.shape.hidden_size)
+            self.schedule_models = [ScheduleView(m, width) for m in self.models]
 
     mapl_boundaries: list = []
 
-    def _wrap_mapl(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Put this stage's boundary codecs (receive side, send side) around the GPTModel."""
+    def _wrap_mapl(self, module: torch.nn.Module, vp_stage: int) -> torch.nn.Module:
+        """Put this chunk's boundary codecs (receive side, send side) around its GPTModel.
+
+        Boundaries are numbered along the whole pipeline: chunk ``vp_stage`` of stage s sits at
+        position vp_stage * PP + s, and boundary g joins positions g and g + 1.
+        """
         cfg, mapl = self.cfg, self.cfg.mapl
-        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        pp = cfg.pipeline_parallel
+        position = vp_stage * pp + parallel_state.get_pipeline_model_parallel_rank()
+        last = pp * (cfg.virtual_pipeline or 1) - 1
 
         def boundary(index: int) -> BoundaryCodec:
             return BoundaryCodec(
@@ -179,16 +203,25 @@ class Trainer:
                 sequence_parallel=cfg.sequence_parallel,
             ).to(self.device)
 
-        recv = boundary(pp_rank - 1) if not parallel_state.is_pipeline_first_stage() else None
-        send = boundary(pp_rank) if not parallel_state.is_pipeline_last_stage() else None
+        recv = boundary(position - 1) if position > 0 else None
+        send = boundary(position) if position < last else None
         stage = MaplStage(module, recv, send)
-        self._mapl_stages = [stage]
-        self.mapl_boundaries = stage.boundaries()
+        self._mapl_stages.append(stage)
+        self.mapl_boundaries = self.mapl_boundaries + stage.boundaries()
         return stage
 
     @property
     def data_parallel_rank(self) -> int:
         return parallel_state.get_data_parallel_rank()
+
+    def _iterators(self, data_iterator):
+        """The interleaved schedule reads one iterator per model chunk: pass a list of identical streams."""
+        if len(self.models) == 1:
+            return data_iterator
+        if not isinstance(data_iterator, (list, tuple)) or len(data_iterator) != len(self.models):
+            raise ValueError(f"with {len(self.models)} model chunks per stage, pass a list of "
+                             f"{len(self.models)} identical data iterators")
+        return list(data_iterator)
 
     def _forward_step(self, data_iterator: Iterator[Dict[str, torch.Tensor]], model: torch.nn.Module):
         batch = {k: v.to(self.device, non_blocking=True) for k, v in next(data_iterator).items()}
@@ -198,12 +231,13 @@ class Trainer:
     def train_step(self, data_iterator: Iterator[Dict[str, torch.Tensor]]) -> Dict[str, float]:
         """One optimizer step over ``num_microbatches``; the loss is returned on every rank."""
         cfg = self.cfg
-        self.model.zero_grad_buffer()
+        for model in self.models:
+            model.zero_grad_buffer()
         self.optimizer.zero_grad()
         losses = get_forward_backward_func()(
             forward_step_func=self._forward_step,
-            data_iterator=data_iterator,
-            model=[self.schedule_model],
+            data_iterator=self._iterators(data_iterator),
+            model=self.schedule_models,
             num_microbatches=cfg.num_microbatches,
             seq_length=cfg.shape.seq_length,
             micro_batch_size=cfg.micro_batch_size,
@@ -228,8 +262,8 @@ class Trainer:
         for _ in range(iters):
             losses = get_forward_backward_func()(
                 forward_step_func=self._forward_step,
-                data_iterator=data_iterator,
-                model=[self.schedule_model],
+                data_iterator=self._iterators(data_iterator),
+                model=self.schedule_models,
                 num_microbatches=self.cfg.num_microbatches,
                 seq_length=self.cfg.shape.seq_length,
                 micro_batch_size=self.cfg.micro_batch_size,

@@ -120,19 +120,22 @@ def build_gpt_model(
     layer_spec: Optional[ModuleSpec] = None,
     seed: int = 1234,
     initialize: bool = True,
+    vp_stage: Optional[int] = None,
 ) -> GPTModel:
     """This rank's pipeline stage of a GPTModel, initialised layout-invariantly (unless ``initialize=False``)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    virtual = {} if vp_stage is None else {"vp_stage": vp_stage}  # chunk of an interleaved pipeline
     model = GPTModel(
         config=config,
-        transformer_layer_spec=decoder_block_spec(config, layer_spec or transformer_layer_spec()),
+        transformer_layer_spec=decoder_block_spec(config, layer_spec or transformer_layer_spec(), vp_stage),
         vocab_size=shape.padded_vocab_size(tp),
         max_sequence_length=shape.seq_length,
-        pre_process=parallel_state.is_pipeline_first_stage(),
-        post_process=parallel_state.is_pipeline_last_stage(),
+        pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
         share_embeddings_and_output_weights=shape.tie_embeddings,
         position_embedding_type=shape.position_embedding,
         rotary_base=shape.rotary_base,
+        **virtual,
     )
     if initialize:
         init_layout_invariant_(model, config, seed)
