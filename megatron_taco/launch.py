@@ -27,7 +27,7 @@ import sys
 import typing
 from typing import Callable, List, Optional
 
-from megatron_taco.config.taco import TacoConfig, TacoConfigError, add_taco_args, taco_config_from_args
+from megatron_taco.config.taco import TacoConfigError, add_taco_args, taco_config_from_args
 
 _STATE: dict = {"taco": None, "installed": False}
 
@@ -51,11 +51,6 @@ def _reject_mapl(argv: List[str]) -> None:
             f"error: {', '.join(given)}: MAPL is not available through the Megatron-LM launcher (it changes the "
             "pipeline schedule's buffers); use examples/pretrain_gpt.py"
         )
-
-
-def taco_config() -> Optional[TacoConfig]:
-    """The validated TACO settings of this run, once Megatron-LM has parsed its arguments."""
-    return _STATE["taco"]
 
 
 def install_hooks() -> None:

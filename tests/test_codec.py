@@ -13,7 +13,7 @@ import itertools
 import pytest
 import torch
 
-from megatron_taco.codec import CodecSettings, TacoCodec, WireFormatError
+from megatron_taco.codec import TacoCodec, WireFormatError
 from megatron_taco.codec.baselines import GroupINT8, PerTensorFP8
 from megatron_taco.codec.format import FP8_FORMATS, HEADER_BYTES
 from megatron_taco.testing.tensors import DISTRIBUTIONS

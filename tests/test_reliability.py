@@ -6,7 +6,6 @@ benchmarks/results/reliability.md).
 """
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from megatron_taco.config.mapl import MaplConfig

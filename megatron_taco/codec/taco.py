@@ -12,7 +12,6 @@ the same bytes.
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence, Tuple
 
 import torch

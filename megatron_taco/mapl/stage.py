@@ -180,6 +180,3 @@ class MaplSync:
         self.optimizer.step([b.projection.grad for b in self.trainable])
         for b in self.trainable:
             b.projection.grad = None
-
-    def wire_width(self) -> int:
-        return self.boundaries[0].rank if self.boundaries else 0

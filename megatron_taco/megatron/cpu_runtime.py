@@ -126,10 +126,6 @@ def _clip_grads_by_total_norm(parameters, max_norm, total_norm, use_decoupled_gr
         torch._foreach_mul_(grads, clip_coeff)
 
 
-def is_cpu_runtime_enabled() -> bool:
-    return _ENABLED
-
-
 def enable_cpu_runtime() -> None:
     """Make megatron-core's CUDA-only paths work on CPU. Idempotent; refuses on a CUDA machine."""
     global _ENABLED

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import zlib
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.nn.functional as F
@@ -184,8 +184,3 @@ def init_layout_invariant_(model: GPTModel, config: TransformerConfig, seed: int
             pieces = full.chunk(stride, dim=dim)
             full = torch.cat([piece.chunk(tp, dim=dim)[tp_rank] for piece in pieces], dim=dim)
         param.copy_(full.to(param.dtype))
-
-
-def model_chunks_parameters(chunks: List[torch.nn.Module]) -> int:
-    """Number of parameters held by this rank."""
-    return sum(p.numel() for chunk in chunks for p in chunk.parameters())
