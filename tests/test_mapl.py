@@ -147,6 +147,39 @@ def test_interleaved_schedule_carries_r_wide_tensors_at_every_boundary():
     assert losses[-1] < losses[0]
 
 
+def _train_pp4_per_boundary_ranks(steps):
+    cfg = TrainConfig(TINY_GPT, pipeline_parallel=4, lr=3e-3, mapl=MaplConfig(ranks=(32, 16, 8)))
+    trainer = Trainer(cfg)
+    data = synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, 2, seed=1)
+    widths = set()
+    original = dist.batch_isend_irecv
+
+    def recording(ops):
+        widths.update(op.tensor.shape[-1] for op in ops if op.tensor.dim() == 3)
+        return original(ops)
+
+    dist.batch_isend_irecv = recording
+    try:
+        losses = [trainer.train_step(data)["loss"] for _ in range(steps)]
+    finally:
+        dist.batch_isend_irecv = original
+    projections = {b.boundary: b.projection.detach().clone() for b in trainer.mapl_boundaries}
+    trainer.close()
+    return losses, projections, widths
+
+
+def test_each_boundary_can_have_its_own_rank():
+    results = run_distributed(_train_pp4_per_boundary_ranks, 4, 10, timeout=300)
+    expected = {0: 32, 1: 16, 2: 8}
+    for stage, (losses, projections, widths) in enumerate(results):
+        assert {b: u.shape[1] for b, u in projections.items()} == {
+            b: r for b, r in expected.items() if b in (stage - 1, stage)}
+        assert widths == {expected[b] for b in projections}, (stage, widths)
+    for b in expected:
+        assert torch.equal(results[b][1][b], results[b + 1][1][b])
+    assert results[0][0][-1] < results[0][0][0]
+
+
 def test_fixed_projection_baseline_keeps_u():
     results = run_distributed(_train, 2, MaplConfig(ratio=4, fixed_projection=True, anchor_rank=0), 5, timeout=120)
     initial = random_stiefel(TINY_GPT.hidden_size, TINY_GPT.hidden_size // 4, torch.Generator().manual_seed(1234 * 7919))
@@ -163,6 +196,8 @@ def _parse(argv):
         (["--mapl-ratio", "0.5"], "--mapl-ratio"),
         (["--mapl-rank", "0"], "--mapl-rank"),
         (["--mapl-ratio", "4", "--mapl-rank", "8"], "--mapl-ratio and --mapl-rank"),
+        (["--mapl-ranks", "32,x"], "--mapl-ranks"),
+        (["--mapl-ranks", "32,0"], "--mapl-ranks"),
         (["--mapl-ratio", "4", "--mapl-anchor-rank", "-1"], "--mapl-anchor-rank"),
         (["--mapl-ratio", "4", "--mapl-lr", "0"], "--mapl-lr"),
         (["--mapl-ratio", "4", "--mapl-momentum", "1"], "--mapl-momentum"),
@@ -181,3 +216,8 @@ def test_invalid_mapl_combinations_with_the_model_are_rejected():
         TrainConfig(TINY_GPT, pipeline_parallel=2, mapl=MaplConfig(ratio=7))
     with pytest.raises(MaplConfigError, match="--mapl-rank: invalid value 65"):
         TrainConfig(TINY_GPT, pipeline_parallel=2, mapl=MaplConfig(rank=65))
+    with pytest.raises(MaplConfigError, match="--mapl-ranks: 2 values given for 3 pipeline boundaries"):
+        TrainConfig(TINY_GPT, pipeline_parallel=4, mapl=MaplConfig(ranks=(8, 8)))
+    with pytest.raises(MaplConfigError, match="--mapl-ranks: invalid value 99 for boundary 1"):
+        TrainConfig(TINY_GPT, pipeline_parallel=4, mapl=MaplConfig(ranks=(8, 99, 8)))
+    assert _parse(["--mapl-ranks", "32,16,8"]).ranks == (32, 16, 8)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Optional
+from typing import Optional, Tuple
 
 from megatron_taco.config.taco import TacoConfigError
 
@@ -15,17 +15,30 @@ class MaplConfigError(TacoConfigError):
 
 @dataclasses.dataclass(frozen=True)
 class MaplConfig:
-    """rank: wire width r of every boundary (hidden d -> r); ratio d / r is the compression."""
+    """rank: wire width r of every boundary (hidden d -> r); ratio d / r is the compression;
+    ranks: one r per boundary, in pipeline order (boundary g joins pipeline positions g and g + 1)."""
 
     rank: Optional[int] = None
     ratio: Optional[float] = None
+    ranks: Optional[Tuple[int, ...]] = None
     anchor_rank: int = 16
     lr: float = 0.01
     momentum: float = 0.9
     fixed_projection: bool = False
 
-    def wire_rank(self, hidden_size: int) -> int:
-        """r for a model of hidden size d, checked against it."""
+    @property
+    def uniform(self) -> bool:
+        """Whether every boundary has the same width (else P2P shapes are exchanged at run time)."""
+        return self.ranks is None or len(set(self.ranks)) == 1
+
+    def wire_rank(self, hidden_size: int, boundary: int = 0) -> int:
+        """r of ``boundary`` for a model of hidden size d, checked against it."""
+        if self.ranks is not None:
+            r = self.ranks[boundary]
+            if not 0 < r <= hidden_size:
+                raise MaplConfigError(f"--mapl-ranks: invalid value {r} for boundary {boundary}; needs "
+                                      f"0 < rank <= hidden size {hidden_size}")
+            return r
         if self.rank is not None:
             r = self.rank
             if not 0 < r <= hidden_size:
@@ -38,16 +51,23 @@ class MaplConfig:
             )
         return int(r)
 
-    def check_layout(self, pipeline_parallel: int) -> None:
+    def check_layout(self, pipeline_parallel: int, virtual_pipeline: Optional[int] = None) -> int:
+        """Validate against the pipeline layout; return the number of boundaries."""
         if pipeline_parallel < 2:
             raise MaplConfigError("--mapl-ratio/--mapl-rank need --pipeline-model-parallel-size > 1 (MAPL compresses "
                                   "pipeline boundaries)")
+        boundaries = pipeline_parallel * (virtual_pipeline or 1) - 1
+        if self.ranks is not None and len(self.ranks) != boundaries:
+            raise MaplConfigError(f"--mapl-ranks: {len(self.ranks)} values given for {boundaries} pipeline boundaries")
+        return boundaries
 
 
 def add_mapl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("MAPL: learned projections of pipeline activations")
     group.add_argument("--mapl-ratio", type=float, default=None, help="compression d / r at every boundary, e.g. 8")
     group.add_argument("--mapl-rank", type=int, default=None, help="wire width r at every boundary (instead of a ratio)")
+    group.add_argument("--mapl-ranks", default=None,
+                       help="one wire width per boundary, in pipeline order, e.g. '64,32,64' (PP=4)")
     group.add_argument("--mapl-anchor-rank", type=int, default=16, help="rank k of the token anchors E[t] B (0: none)")
     group.add_argument("--mapl-lr", type=float, default=0.01, help="learning rate of the manifold optimizer")
     group.add_argument("--mapl-momentum", type=float, default=0.9, help="momentum of the manifold optimizer")
@@ -58,10 +78,20 @@ def add_mapl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def mapl_config_from_args(args: argparse.Namespace) -> Optional[MaplConfig]:
     """None when MAPL is off; raises MaplConfigError naming the flag for invalid values."""
-    if args.mapl_ratio is None and args.mapl_rank is None:
+    given = [flag for flag, value in (("--mapl-ratio", args.mapl_ratio), ("--mapl-rank", args.mapl_rank),
+                                      ("--mapl-ranks", args.mapl_ranks)) if value is not None]
+    if not given:
         return None
-    if args.mapl_ratio is not None and args.mapl_rank is not None:
-        raise MaplConfigError("--mapl-ratio and --mapl-rank: give one of them, not both")
+    if len(given) > 1:
+        raise MaplConfigError(f"{' and '.join(given)}: give one of them, not several")
+    ranks = None
+    if args.mapl_ranks is not None:
+        try:
+            ranks = tuple(int(v) for v in str(args.mapl_ranks).split(","))
+        except ValueError:
+            raise MaplConfigError(f"--mapl-ranks: invalid value {args.mapl_ranks!r}; use integers like '64,32,64'") from None
+        if any(r < 1 for r in ranks):
+            raise MaplConfigError(f"--mapl-ranks: invalid value {args.mapl_ranks!r}; every rank must be >= 1")
     if args.mapl_ratio is not None and args.mapl_ratio < 1:
         raise MaplConfigError(f"--mapl-ratio: invalid value {args.mapl_ratio:g}; must be >= 1")
     if args.mapl_rank is not None and args.mapl_rank < 1:
@@ -73,7 +103,7 @@ def mapl_config_from_args(args: argparse.Namespace) -> Optional[MaplConfig]:
     if not 0 <= args.mapl_momentum < 1:
         raise MaplConfigError(f"--mapl-momentum: invalid value {args.mapl_momentum:g}; must be in [0, 1)")
     return MaplConfig(
-        rank=args.mapl_rank, ratio=args.mapl_ratio,
+        rank=args.mapl_rank, ratio=args.mapl_ratio, ranks=ranks,
         anchor_rank=0 if args.mapl_fixed_projection else args.mapl_anchor_rank,
         lr=args.mapl_lr, momentum=args.mapl_momentum, fixed_projection=args.mapl_fixed_projection,
     )

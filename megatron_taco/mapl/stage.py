@@ -67,13 +67,18 @@ class MaplStage(torch.nn.Module):
 
 
 class ScheduleView(torch.nn.Module):
-    """What the pipeline schedule sees: the model, with a config whose hidden_size is the wire width."""
+    """What the pipeline schedule sees: the model, with a config whose hidden_size is the wire width.
 
-    def __init__(self, model: torch.nn.Module, wire_width: int) -> None:
+    With a different width per boundary (``variable_shapes``), megatron-core's P2P exchanges each
+    tensor's shape before the tensor (its ``variable_seq_lengths`` mode): three int64 per message.
+    """
+
+    def __init__(self, model: torch.nn.Module, wire_width: int, variable_shapes: bool = False) -> None:
         super().__init__()
         self.module = model
         self.config = copy.copy(model.config)
         self.config.hidden_size = wire_width
+        self.config.variable_seq_lengths = variable_shapes
 
     def forward(self, *args: Any, **kwargs: Any):
         return self.module(*args, **kwargs)

@@ -4,7 +4,8 @@ megatron-core assumes CUDA in a handful of places: the model-parallel RNG
 tracker forks CUDA generators, buffers are allocated on
 ``torch.cuda.current_device()``, ``pipeline_parallel/schedules.py`` builds
 tensors with ``device="cuda"``, and the 0.17+ DDP wrapper calls
-``torch.cuda.current_stream()`` unconditionally. ``enable_cpu_runtime()``
+``torch.cuda.current_stream()`` unconditionally (and P2P shape exchange calls
+``torch.cuda.synchronize()``). ``enable_cpu_runtime()``
 redirects exactly those, and only when CUDA is absent: it refuses to run on a
 machine with a GPU, where the real CUDA paths must be used.
 
@@ -154,6 +155,8 @@ def enable_cpu_runtime() -> None:
     # The clipping helper asserts grads are torch.cuda.FloatTensor; optimizer.py holds it by name.
     mp_optimizer.clip_grad_by_total_norm_fp32 = _clip_grads_by_total_norm
     torch.cuda.current_stream = lambda *args, **kwargs: _NullStream()
+    # p2p shape exchange (variable_seq_lengths) synchronizes the device: nothing to wait for on CPU
+    torch.cuda.synchronize = lambda *args, **kwargs: None
     _ENABLED = True
 
 

@@ -208,10 +208,10 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
         _log(f"TACO {args.taco.default.mode} on this rank's layers {layers}; "
              f"min-bytes {'auto' if args.taco.min_bytes is None else args.taco.min_bytes}")
     if args.mapl is not None:
-        r = args.mapl.wire_rank(cfg.shape.hidden_size)
-        boundaries = cfg.pipeline_parallel * (cfg.virtual_pipeline or 1) - 1
-        _log(f"MAPL: {boundaries} boundaries, hidden {cfg.shape.hidden_size} -> {r} "
-             f"({cfg.shape.hidden_size / r:g}x), anchor rank {args.mapl.anchor_rank}"
+        boundaries = args.mapl.check_layout(cfg.pipeline_parallel, cfg.virtual_pipeline)
+        widths = [args.mapl.wire_rank(cfg.shape.hidden_size, b) for b in range(boundaries)]
+        _log(f"MAPL: {boundaries} boundaries, hidden {cfg.shape.hidden_size} -> {widths} "
+             f"({', '.join(f'{cfg.shape.hidden_size / r:g}x' for r in widths)}), anchor rank {args.mapl.anchor_rank}"
              + (", fixed projection" if args.mapl.fixed_projection else ""))
     # one identical stream per model chunk (the interleaved schedule reads each chunk's own)
     streams = [make_data(args.data, cfg, args.seed, trainer.data_parallel_rank) for _ in trainer.models]

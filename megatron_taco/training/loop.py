@@ -79,8 +79,8 @@ class TrainConfig:
                 raise ValueError(f"the interleaved schedule needs micro-batches ({self.num_microbatches}) divisible by "
                                  f"--pipeline-model-parallel-size {self.pipeline_parallel}")
         if self.mapl is not None:
-            self.mapl.check_layout(self.pipeline_parallel)
-            self.mapl.wire_rank(self.shape.hidden_size)
+            for boundary in range(self.mapl.check_layout(self.pipeline_parallel, self.virtual_pipeline)):
+                self.mapl.wire_rank(self.shape.hidden_size, boundary)
 
 
 def init_distributed() -> None:
@@ -179,8 +179,10 @@ class Trainer:
         self.schedule_models = self.models
         if cfg.mapl is not None:
             self.mapl_sync = MaplSync(self._mapl_stages, lr=cfg.mapl.lr, momentum=cfg.mapl.momentum)
-            width = cfg.mapl.wire_rank(cfg.shape.hidden_size)
-            self.schedule_models = [ScheduleView(m, width) for m in self.models]
+            widths = [cfg.mapl.wire_rank(cfg.shape.hidden_size, b)
+                      for b in range(cfg.mapl.check_layout(cfg.pipeline_parallel, cfg.virtual_pipeline))]
+            self.schedule_models = [ScheduleView(m, max(widths), variable_shapes=not cfg.mapl.uniform)
+                                    for m in self.models]
 
     mapl_boundaries: list = []
 
@@ -197,7 +199,7 @@ class Trainer:
 
         def boundary(index: int) -> BoundaryCodec:
             return BoundaryCodec(
-                hidden_size=cfg.shape.hidden_size, rank=mapl.wire_rank(cfg.shape.hidden_size),
+                hidden_size=cfg.shape.hidden_size, rank=mapl.wire_rank(cfg.shape.hidden_size, index),
                 vocab_size=cfg.shape.padded_vocab_size(cfg.tensor_parallel), anchor_rank=mapl.anchor_rank,
                 seed=cfg.seed, boundary=index, trainable=not mapl.fixed_projection,
                 sequence_parallel=cfg.sequence_parallel,
