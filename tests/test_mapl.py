@@ -1,6 +1,7 @@
 """MAPL: Stiefel optimisation, r-wide pipeline traffic, replica consistency, flags (real gloo ranks)."""
 
 import argparse
+import contextlib
 
 import pytest
 import torch
@@ -45,24 +46,30 @@ def test_manifold_descent_finds_the_top_eigenspace():
     assert float(riemannian.norm()) < 1e-2
 
 
+@contextlib.contextmanager
+def _recording_p2p():
+    """Record (op name, tensor shape) of every batched P2P op megatron-core issues inside the block."""
+    ops_seen = []
+    original = dist.batch_isend_irecv
+
+    def recording(ops):
+        ops_seen.extend((op.op.__name__, tuple(op.tensor.shape)) for op in ops)
+        return original(ops)
+
+    dist.batch_isend_irecv = recording
+    try:
+        yield ops_seen
+    finally:
+        dist.batch_isend_irecv = original
+
+
 def _train(mapl, steps, tp=1, pp=2, sp=False, count_p2p=False):
     cfg = TrainConfig(TINY_GPT, tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp, lr=3e-3, mapl=mapl)
     trainer = Trainer(cfg)
     data = synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, cfg.micro_batch_size, seed=1)
-    shapes = []
-    if count_p2p:
-        original = dist.batch_isend_irecv
-
-        def recording(ops):
-            shapes.extend((op.op.__name__, tuple(op.tensor.shape)) for op in ops)
-            return original(ops)
-
-        dist.batch_isend_irecv = recording
-    try:
+    with _recording_p2p() as recorded:
         losses = [trainer.train_step(data)["loss"] for _ in range(steps)]
-    finally:
-        if count_p2p:
-            dist.batch_isend_irecv = original
+    shapes = recorded if count_p2p else []
     projections = {b.boundary: b.projection.detach().clone() for b in trainer.mapl_boundaries}
     anchors = {b.boundary: b.anchor_basis.detach().clone() for b in trainer.mapl_boundaries if b.anchor_rank}
     in_optimizer = any(
@@ -120,18 +127,9 @@ def _train_interleaved(steps):
     cfg = TrainConfig(TINY_GPT, pipeline_parallel=2, virtual_pipeline=2, lr=3e-3, mapl=MaplConfig(ratio=4))
     trainer = Trainer(cfg)
     streams = [synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, 2, seed=1) for _ in range(2)]
-    shapes = []
-    original = dist.batch_isend_irecv
-
-    def recording(ops):
-        shapes.extend(tuple(op.tensor.shape) for op in ops)
-        return original(ops)
-
-    dist.batch_isend_irecv = recording
-    try:
+    with _recording_p2p() as recorded:
         losses = [trainer.train_step(streams)["loss"] for _ in range(steps)]
-    finally:
-        dist.batch_isend_irecv = original
+    shapes = [shape for _, shape in recorded]
     projections = {b.boundary: b.projection.detach().clone() for b in trainer.mapl_boundaries}
     trainer.close()
     return losses, projections, shapes
@@ -151,18 +149,9 @@ def _train_pp4_per_boundary_ranks(steps):
     cfg = TrainConfig(TINY_GPT, pipeline_parallel=4, lr=3e-3, mapl=MaplConfig(ranks=(32, 16, 8)))
     trainer = Trainer(cfg)
     data = synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, 2, seed=1)
-    widths = set()
-    original = dist.batch_isend_irecv
-
-    def recording(ops):
-        widths.update(op.tensor.shape[-1] for op in ops if op.tensor.dim() == 3)
-        return original(ops)
-
-    dist.batch_isend_irecv = recording
-    try:
+    with _recording_p2p() as recorded:
         losses = [trainer.train_step(data)["loss"] for _ in range(steps)]
-    finally:
-        dist.batch_isend_irecv = original
+    widths = {shape[-1] for _, shape in recorded if len(shape) == 3}
     projections = {b.boundary: b.projection.detach().clone() for b in trainer.mapl_boundaries}
     trainer.close()
     return losses, projections, widths

@@ -49,14 +49,17 @@ class LinearCompression:
     min_bytes: Optional[int]
     chunk_bytes: int
 
+    def __post_init__(self) -> None:
+        # built once: options() runs on every collective of the linear
+        self._fixed = None if self.min_bytes is None else comm.CommOptions(self.min_bytes, self.chunk_bytes)
+
     def options(self, group: dist.ProcessGroup, device: torch.device) -> comm.CommOptions:
-        if self.min_bytes is not None:
-            return comm.CommOptions(min_bytes=self.min_bytes, chunk_bytes=self.chunk_bytes)
+        if self._fixed is not None:
+            return self._fixed
         key = (group, self.chunk_bytes)  # the link probe runs once per process group
         if key not in _AUTO_OPTIONS:
             _AUTO_OPTIONS[key] = auto_options(group, device, chunk_bytes=self.chunk_bytes)[0]
         return _AUTO_OPTIONS[key]
-
 
     def compresses_any(self, group: dist.ProcessGroup, device: torch.device, fwd_bytes: int, bwd_bytes: int) -> bool:
         """Whether a forward or backward message of these sizes would go compressed. When neither would,

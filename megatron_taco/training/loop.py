@@ -236,15 +236,7 @@ class Trainer:
         for model in self.models:
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
-        losses = get_forward_backward_func()(
-            forward_step_func=self._forward_step,
-            data_iterator=self._iterators(data_iterator),
-            model=self.schedule_models,
-            num_microbatches=cfg.num_microbatches,
-            seq_length=cfg.shape.seq_length,
-            micro_batch_size=cfg.micro_batch_size,
-            forward_only=False,
-        )
+        losses = self._run_schedule(data_iterator, forward_only=False)
         if self.mapl_sync is not None:
             self.mapl_sync.finalize_grads()
         updated, grad_norm, _ = self.optimizer.step()
@@ -262,17 +254,21 @@ class Trainer:
         """Mean loss over ``iters`` forward-only steps (every rank gets the value)."""
         total = 0.0
         for _ in range(iters):
-            losses = get_forward_backward_func()(
-                forward_step_func=self._forward_step,
-                data_iterator=self._iterators(data_iterator),
-                model=self.schedule_models,
-                num_microbatches=self.cfg.num_microbatches,
-                seq_length=self.cfg.shape.seq_length,
-                micro_batch_size=self.cfg.micro_batch_size,
-                forward_only=True,
-            )
-            total += self._share_loss(losses)
+            total += self._share_loss(self._run_schedule(data_iterator, forward_only=True))
         return total / iters
+
+    def _run_schedule(self, data_iterator, forward_only: bool):
+        """One pass of megatron-core's pipeline schedule over ``num_microbatches``; the per-micro-batch losses."""
+        cfg = self.cfg
+        return get_forward_backward_func()(
+            forward_step_func=self._forward_step,
+            data_iterator=self._iterators(data_iterator),
+            model=self.schedule_models,
+            num_microbatches=cfg.num_microbatches,
+            seq_length=cfg.shape.seq_length,
+            micro_batch_size=cfg.micro_batch_size,
+            forward_only=forward_only,
+        )
 
     def _share_loss(self, losses) -> float:
         """The last stage's mean micro-batch loss, averaged over DP, on every rank."""
