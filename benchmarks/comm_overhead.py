@@ -3,8 +3,10 @@
     python benchmarks/comm_overhead.py --out benchmarks/results/comm_overhead.md
 
 Host (Python) time per call of each piece, measured without synchronising
-(so it is the CPU cost of launching), and a torch.profiler CPU table of one
-compressed all-gather of 1 MiB.
+(the CPU cost of launching, unless the GPU falls behind and the launch queue
+fills), the same calls with a device synchronisation after each (latency), a
+cProfile of the Python side of 200 compressed all-gathers, and a torch.profiler
+table of 5 of them.
 """
 
 from __future__ import annotations
@@ -37,6 +39,34 @@ def _host_us(fn, calls: int = 200) -> float:
     return host / calls * 1e6
 
 
+def _latency_us(fn, calls: int = 100) -> float:
+    """Wall time per call with a device synchronisation after each one."""
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def _python_profile(fn, calls: int = 200) -> str:
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(calls):
+        fn()
+    torch.cuda.synchronize()
+    profiler.disable()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(25)
+    return text.getvalue()
+
+
 def _worker():
     codec = TacoCodec()
     x = torch.randn(128, 4096, device="cuda", dtype=torch.bfloat16)  # 1 MiB
@@ -44,14 +74,19 @@ def _worker():
     gathered = torch.empty(2 * msg.numel(), dtype=torch.uint8, device="cuda")
     out = torch.empty(256, 4096, device="cuda", dtype=torch.bfloat16)
     options = comm.CommOptions(min_bytes=0)
-    rows = {
-        "torch add (reference launch)": _host_us(lambda: torch.add(x, x)),
-        "codec.compress": _host_us(lambda: codec.compress(x, out=msg)),
-        "codec.decompress_rows (2 rows)": _host_us(lambda: codec.decompress_rows(gathered.view(2, -1), out.view(2, -1), validate=False)),
-        "dist.all_gather_into_tensor (plain, async + wait)": _host_us(lambda: dist.all_gather_into_tensor(out, x, async_op=True).wait()),
-        "comm.all_gather uncompressed": _host_us(lambda: comm.all_gather(x, None, None, options)),
-        "comm.all_gather compressed": _host_us(lambda: comm.all_gather(x, None, codec, options)),
+    calls = {
+        "torch add (reference launch)": lambda: torch.add(x, x),
+        "codec.compress": lambda: codec.compress(x, out=msg),
+        "codec.compress (new output buffer)": lambda: codec.compress(x),
+        "codec.decompress_rows (2 rows)": lambda: codec.decompress_rows(gathered.view(2, -1), out.view(2, -1),
+                                                                        validate=False),
+        "dist.all_gather_into_tensor (plain, async + wait)":
+            lambda: dist.all_gather_into_tensor(out, x, async_op=True).wait(),
+        "comm.all_gather uncompressed": lambda: comm.all_gather(x, None, None, options),
+        "comm.all_gather compressed": lambda: comm.all_gather(x, None, codec, options),
     }
+    rows = {name: (_host_us(fn), _latency_us(fn)) for name, fn in calls.items()}
+    python_profile = _python_profile(lambda: comm.all_gather(x, None, codec, options))
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -59,7 +94,7 @@ def _worker():
             comm.all_gather(x, None, codec, options)
         torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=15)
-    return rows, table
+    return rows, table, python_profile
 
 
 def main() -> None:
@@ -67,16 +102,24 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/comm_overhead.md")
     args = parser.parse_args()
     os.environ["TACO_TEST_START_METHOD"] = "spawn"
-    rows, table = run_distributed(_worker, 2, backend="nccl", timeout=600)[0]
+    rows, table, python_profile = run_distributed(_worker, 2, backend="nccl", timeout=600)[0]
     lines = [
         "# Host cost of a compressed collective (1 MiB bf16, 2 GPUs, NVLink)",
         "",
         f"- Command: `python benchmarks/comm_overhead.py --out {args.out}`; date {datetime.date.today().isoformat()}",
-        "- Host microseconds per call, averaged over 200 calls without synchronising (launch cost on the CPU).",
+        "- *host us*: microseconds per call, averaged over 200 calls without synchronising (launch cost on the CPU,",
+        "  unless the GPU falls behind and the launch queue fills); *latency us*: with a device synchronisation",
+        "  after every call (100 calls).",
         "",
-        "| call | host us |",
-        "|---|---|",
-        *[f"| {name} | {us:.1f} |" for name, us in rows.items()],
+        "| call | host us | latency us |",
+        "|---|---|---|",
+        *[f"| {name} | {host:.1f} | {latency:.1f} |" for name, (host, latency) in rows.items()],
+        "",
+        "## cProfile (Python side), 200 compressed all-gathers, by own time",
+        "",
+        "```",
+        python_profile.strip(),
+        "```",
         "",
         "## torch.profiler, 5 compressed all-gathers",
         "",

@@ -9,9 +9,15 @@ compression forced on), in the three link regimes of DESIGN.md section 5
 and excluded; the median step time of the rest. One profiled step per TACO
 run splits GPU time into codec kernels, NCCL kernels and the rest.
 
+PP=2 throughput: a wide, shallow GPT whose step is dominated by the boundary
+transfers on slow links (one layer per stage), uncompressed vs MAPL 4x, 8x and
+8x + residual VQ.
+
 Loss: small GPT and Qwen models on real text (the Python standard library's
 sources, byte-level; validation on held-out files), same seed, data and
-steps: uncompressed vs TACO fp8-ash vs TACO fp8 (no Hadamard).
+steps: uncompressed (TP=2 + SP) vs TACO fp8-ash vs TACO fp8 (no Hadamard), and
+MAPL 8x (with and without VQ) at PP=2. The report is rewritten after every
+part, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from megatron_taco.config.mapl import MaplConfig  # noqa: E402
 from megatron_taco.config.taco import LinearSettings, TacoConfig  # noqa: E402
 from megatron_taco.testing.distributed import run_distributed  # noqa: E402
 from megatron_taco.training.data import byte_text_batches, stdlib_text_files, synthetic_batches  # noqa: E402
@@ -57,12 +64,17 @@ LOSS_MODELS = {
         vocab_size=256, seq_length=512, normalization="RMSNorm", activation="swiglu", position_embedding="rope",
         rotary_base=1000000, add_bias_linear=False, add_qkv_bias=True, norm_epsilon=1e-6),
 }
+PIPELINE_MODEL = ("GPT wide-shallow (2L, h2048, ffn8192, seq2048, vocab 8192)", ModelShape(
+    num_layers=2, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192, vocab_size=8192, seq_length=2048))
+PIPELINE_MICRO_BATCH = 4  # 4 x 2048 tokens x 2048 x bf16 = 32 MiB per boundary message
 TACO_AUTO = TacoConfig(default=LinearSettings(mode="fp8-ash"))  # min_bytes None: the link probe decides
 TACO_FORCED = TacoConfig(default=LinearSettings(mode="fp8-ash"), min_bytes=0)
-LOSS_VARIANTS = {
-    "baseline": None,
-    "TACO fp8-ash": TacoConfig(default=LinearSettings(mode="fp8-ash"), min_bytes=0),
-    "TACO fp8 (no Hadamard)": TacoConfig(default=LinearSettings(mode="fp8"), min_bytes=0),
+LOSS_VARIANTS = {  # name: (TACO, MAPL); TACO runs at TP=2 + SP, MAPL at PP=2
+    "baseline": (None, None),
+    "TACO fp8-ash": (TacoConfig(default=LinearSettings(mode="fp8-ash"), min_bytes=0), None),
+    "TACO fp8 (no Hadamard)": (TacoConfig(default=LinearSettings(mode="fp8"), min_bytes=0), None),
+    "MAPL 8x (PP=2)": (None, MaplConfig(ratio=8)),
+    "MAPL 8x + VQ 2 x 255 (PP=2)": (None, MaplConfig(ratio=8, vq_levels=2, vq_codes=255)),
 }
 
 
@@ -118,20 +130,19 @@ def _throughput_worker(steps: int, warmup: int, micro_batches: int):
 
 
 def _pipeline_worker(steps: int, warmup: int, micro_batches: int):
-    """PP=2 throughput: uncompressed vs MAPL 4x and 8x (GPT shape of the TP runs, 8 micro-batches)."""
-    from megatron_taco.config.mapl import MaplConfig
-
+    """PP=2 throughput of the wide-shallow GPT: uncompressed vs MAPL 4x, 8x and 8x + VQ."""
     results = []
-    model_name, shape = next(iter(THROUGHPUT_MODELS.items()))
-    for variant, mapl in (("baseline", None), ("MAPL 4x", MaplConfig(ratio=4)), ("MAPL 8x", MaplConfig(ratio=8))):
-        cfg = TrainConfig(shape, pipeline_parallel=2, micro_batch_size=1, num_microbatches=micro_batches,
-                          dtype="bf16", lr=1e-4, mapl=mapl)
+    model_name, shape = PIPELINE_MODEL
+    for variant, mapl in (("baseline", None), ("MAPL 4x", MaplConfig(ratio=4)), ("MAPL 8x", MaplConfig(ratio=8)),
+                          ("MAPL 8x + VQ 2 x 255", MaplConfig(ratio=8, vq_levels=2, vq_codes=255))):
+        cfg = TrainConfig(shape, pipeline_parallel=2, micro_batch_size=PIPELINE_MICRO_BATCH,
+                          num_microbatches=micro_batches, dtype="bf16", lr=1e-4, mapl=mapl)
         trainer = Trainer(cfg)
-        data = synthetic_batches(shape.vocab_size, shape.seq_length, 1, seed=1)
+        data = synthetic_batches(shape.vocab_size, shape.seq_length, PIPELINE_MICRO_BATCH, seed=1)
         step_s = _median_step_s(trainer, data, steps, warmup)
         trainer.close()
         results.append(dict(model=model_name, variant=variant, step_s=step_s,
-                            tokens_per_s=shape.seq_length * micro_batches / step_s, split={}))
+                            tokens_per_s=shape.seq_length * PIPELINE_MICRO_BATCH * micro_batches / step_s, split={}))
         if dist.get_rank() == 0:
             print(f"  PP=2 {model_name} {variant}: {step_s * 1e3:.1f} ms/step", flush=True)
         torch.cuda.empty_cache()
@@ -144,9 +155,10 @@ def _loss_worker(steps: int, eval_iters: int, models: str):
     for model_name, shape in LOSS_MODELS.items():
         if models != "all" and not model_name.lower().startswith(models):
             continue
-        for variant, taco in LOSS_VARIANTS.items():
-            cfg = TrainConfig(shape, tensor_parallel=2, sequence_parallel=True, micro_batch_size=8,
-                              num_microbatches=1, dtype="bf16", lr=1e-3, seed=1234, taco=taco)
+        for variant, (taco, mapl) in LOSS_VARIANTS.items():
+            layout = dict(pipeline_parallel=2) if mapl else dict(tensor_parallel=2, sequence_parallel=True)
+            cfg = TrainConfig(shape, **layout, micro_batch_size=8, num_microbatches=1, dtype="bf16", lr=1e-3,
+                              seed=1234, taco=taco, mapl=mapl)
             trainer = Trainer(cfg)
             train = byte_text_batches(train_files, shape.seq_length, 8, seed=1)
             losses = [trainer.train_step(train)["loss"] for _ in range(steps)]
@@ -165,6 +177,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--micro-batches", type=int, default=2)
+    parser.add_argument("--pipeline-micro-batches", type=int, default=8)
     parser.add_argument("--loss-steps", type=int, default=300)
     parser.add_argument("--eval-iters", type=int, default=20)
     parser.add_argument("--parts", default="throughput,pipeline,loss")
@@ -173,27 +186,33 @@ def main() -> None:
     os.environ["TACO_TEST_START_METHOD"] = "spawn"
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     results = {"throughput": {}, "pipeline": {}, "loss": {}}
+    os.makedirs(args.out_dir, exist_ok=True)
+
+    def report() -> None:
+        with open(os.path.join(args.out_dir, "e2e.json"), "w") as f:
+            json.dump(results, f, indent=1)
+        _plot(results, args.out_dir)
+        _write(args, results)
+
     if "throughput" in args.parts:
         for regime in args.regimes.split(","):
             print(f"throughput, regime {regime}", flush=True)
             results["throughput"][regime] = run_distributed(
                 _throughput_worker, 2, args.steps, args.warmup, args.micro_batches,
                 backend="nccl", env=REGIMES[regime], timeout=1200)[0]
+            report()
     if "pipeline" in args.parts:
         for regime in args.regimes.split(","):
             print(f"pipeline throughput, regime {regime}", flush=True)
             results["pipeline"][regime] = run_distributed(
-                _pipeline_worker, 2, args.steps, args.warmup, 4 * args.micro_batches,
+                _pipeline_worker, 2, args.steps, args.warmup, args.pipeline_micro_batches,
                 backend="nccl", env=REGIMES[regime], timeout=1200)[0]
+            report()
     if "loss" in args.parts:
         print("loss study", flush=True)
         results["loss"] = run_distributed(_loss_worker, 2, args.loss_steps, args.eval_iters, args.loss_models,
                                           backend="nccl", timeout=1200)[0]
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(os.path.join(args.out_dir, "e2e.json"), "w") as f:
-        json.dump(results, f, indent=1)
-    _plot(results, args.out_dir)
-    _write(args, results)
+        report()
 
 
 def _plot(results, out_dir) -> None:
@@ -227,7 +246,8 @@ def _write(args, results) -> None:
         "# End-to-end evaluation (2 GPUs)",
         "",
         f"- Command: `python benchmarks/e2e.py --out-dir {args.out_dir} --regimes {args.regimes} --steps {args.steps} "
-        f"--warmup {args.warmup} --micro-batches {args.micro_batches} --loss-steps {args.loss_steps} --parts {args.parts} "
+        f"--warmup {args.warmup} --micro-batches {args.micro_batches} --pipeline-micro-batches "
+        f"{args.pipeline_micro_batches} --loss-steps {args.loss_steps} --parts {args.parts} "
         f"--loss-models {args.loss_models}`",
         f"- Date: {datetime.date.today().isoformat()}; 2 x {props.name}; torch {torch.__version__}, "
         f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, triton {triton.__version__}",
@@ -258,8 +278,12 @@ def _write(args, results) -> None:
         lines.append("")
     if results["pipeline"]:
         lines += [
-            "## Throughput: PP=2 (1F1B), bf16, micro-batch 1 x "
-            f"{4 * args.micro_batches} per step; median of steps {args.warmup + 1}-{args.steps}",
+            f"## Throughput: PP=2 (1F1B), bf16, micro-batch {PIPELINE_MICRO_BATCH} x "
+            f"{args.pipeline_micro_batches} per step; median of steps {args.warmup + 1}-{args.steps}",
+            "",
+            f"Model: {PIPELINE_MODEL[0]}, one layer per stage, so the boundary messages "
+            f"({PIPELINE_MICRO_BATCH} x 2048 x 2048 bf16 = 32 MiB each way per micro-batch uncompressed) weigh as "
+            "much as possible against the compute on slow links.",
             "",
             "| regime | model | variant | ms/step | tokens/s | vs baseline |",
             "|---|---|---|---|---|---|",
@@ -272,8 +296,10 @@ def _write(args, results) -> None:
         lines.append("")
     if results["loss"]:
         lines += [
-            f"## Loss on real text: TP=2 + SP, bf16, {args.loss_steps} steps of 8 x 512 byte-level tokens "
-            f"(Python stdlib sources), validation on held-out files ({args.eval_iters} batches)",
+            f"## Loss on real text: bf16, {args.loss_steps} steps of 8 x 512 byte-level tokens "
+            f"(Python stdlib sources), validation on held-out files ({args.eval_iters} batches); baseline and TACO "
+            "at TP=2 + SP, MAPL at PP=2 (the same model and initialisation: the trainer's init does not depend on "
+            "the layout)",
             "",
             "![loss curves](e2e_loss.png)",
             "",

@@ -4,9 +4,10 @@
 
 Variants: uncompressed; MAPL at 2x, 4x, 8x, 16x (learned U + token anchors);
 the SSN-style baseline (a fixed random orthogonal projection, no anchors) at
-8x. Data: the Python standard library's sources, byte-level; validation on
-held-out files. Writes mapl_quality.md, mapl_quality.json and a loss-curve PNG.
-(Residual VQ is not implemented, so MAPL+VQ has no row.)
+8x; MAPL 8x + residual VQ; MAPL 8x at two other manifold learning rates.
+Data: the Python standard library's sources, byte-level; validation on
+held-out files. Writes mapl_quality.md, mapl_quality.json and a loss-curve PNG,
+rewritten after every variant (a cut-short run leaves a valid partial report).
 """
 
 from __future__ import annotations
@@ -37,13 +38,19 @@ VARIANTS = {
     "MAPL 8x": MaplConfig(ratio=8),
     "MAPL 16x": MaplConfig(ratio=16),
     "fixed projection 8x (SSN-style)": MaplConfig(ratio=8, fixed_projection=True, anchor_rank=0),
+    "MAPL 8x + VQ (2 x 255 codes)": MaplConfig(ratio=8, vq_levels=2, vq_codes=255),
+    "MAPL 8x, manifold lr 0.001": MaplConfig(ratio=8, lr=0.001),
+    "MAPL 8x, manifold lr 0.1": MaplConfig(ratio=8, lr=0.1),
 }
 
 
-def _worker(steps: int, eval_iters: int, micro_batches: int):
+def _worker(args: argparse.Namespace):
+    steps, eval_iters, micro_batches = args.steps, args.eval_iters, args.micro_batches
     train_files, valid_files = stdlib_text_files()
     results = {}
     for name, mapl in VARIANTS.items():
+        if args.variants and name not in args.variants.split(";"):
+            continue
         cfg = TrainConfig(MODEL, pipeline_parallel=2, micro_batch_size=4, num_microbatches=micro_batches,
                           dtype="bf16", lr=1e-3, seed=1234, mapl=mapl)
         trainer = Trainer(cfg)
@@ -54,6 +61,7 @@ def _worker(steps: int, eval_iters: int, micro_batches: int):
         results[name] = dict(train=losses, valid=valid)
         if dist.get_rank() == 0:
             print(f"  {name}: train {sum(losses[-20:]) / 20:.4f} valid {valid:.4f}", flush=True)
+            _write(args, results)
     return results
 
 
@@ -63,27 +71,34 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--eval-iters", type=int, default=20)
     parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--variants", default="", help="';'-separated subset of the variant names (default: all)")
     args = parser.parse_args()
     os.environ["TACO_TEST_START_METHOD"] = "spawn"
-    results = run_distributed(_worker, 2, args.steps, args.eval_iters, args.micro_batches, backend="nccl",
-                              timeout=1500)[0]
     os.makedirs(args.out_dir, exist_ok=True)
+    run_distributed(_worker, 2, args, backend="nccl", timeout=1500)
+
+
+def _write(args: argparse.Namespace, results: dict) -> None:
+    """Report of the variants run so far (rank 0, after each variant)."""
     with open(os.path.join(args.out_dir, "mapl_quality.json"), "w") as f:
         json.dump(results, f)
     _plot(results, os.path.join(args.out_dir, "mapl_quality.png"))
-    base = results["uncompressed"]["valid"]
+    base = results.get("uncompressed", {}).get("valid", float("nan"))
     props = torch.cuda.get_device_properties(0)
     lines = [
         "# MAPL quality: PP=2, learned Stiefel projections vs a fixed one",
         "",
         f"- Command: `python benchmarks/mapl_quality.py --out-dir {args.out_dir} --steps {args.steps} "
-        f"--eval-iters {args.eval_iters} --micro-batches {args.micro_batches}`",
+        f"--eval-iters {args.eval_iters} --micro-batches {args.micro_batches}"
+        + (f" --variants '{args.variants}'" if args.variants else "") + "`",
+        f"- Variants run: {len(results)} of {len(VARIANTS)}"
+        + ("" if len(results) == len(VARIANTS) else " (cut short, or a subset was asked for)"),
         f"- Date: {datetime.date.today().isoformat()}; 2 x {props.name}; torch {torch.__version__}",
         f"- Model: GPT {MODEL.num_layers} layers, hidden {MODEL.hidden_size}, FFN {MODEL.ffn_hidden_size}, "
         f"seq {MODEL.seq_length}, byte-level vocab; PP=2 (one boundary), bf16, Adam lr 1e-3, "
         f"{args.micro_batches} micro-batches of 4 per step, {args.steps} steps; manifold lr 0.01, momentum 0.9, "
-        "anchor rank 16. Data: Python stdlib sources; validation on held-out files.",
-        "- Residual VQ is not implemented, so there is no MAPL+VQ row.",
+        "anchor rank 16 unless the row says otherwise; VQ: EMA decay 0.9, every changed code word synced. "
+        "Data: Python stdlib sources; validation on held-out files.",
         "",
         "![loss curves](mapl_quality.png)",
         "",
@@ -93,12 +108,12 @@ def main() -> None:
     for name, res in results.items():
         mapl = VARIANTS[name]
         width = MODEL.hidden_size if mapl is None else mapl.wire_rank(MODEL.hidden_size)
+        width = f"{width}" + (f" -> {mapl.vq_levels} indices" if mapl is not None and mapl.vq_levels else "")
         tail = res["train"][-20:]
         lines.append(f"| {name} | {width} | {sum(tail) / len(tail):.4f} | {res['valid']:.4f} | "
                      f"{100 * (res['valid'] / base - 1):+.2f}% |")
     with open(os.path.join(args.out_dir, "mapl_quality.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
 
 
 def _plot(results, path) -> None:

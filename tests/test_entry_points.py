@@ -74,10 +74,13 @@ def test_trainer_trains_with_taco_and_resumes_to_the_same_losses(config, tmp_pat
     assert straight[-1] < straight[0]
 
 
-def test_trainer_trains_pp2_with_mapl_and_resumes(tmp_path):
+@pytest.mark.parametrize("mapl", [["--mapl-ratio", "4"], ["--mapl-ratio", "4", "--mapl-vq-levels", "2",
+                                                           "--mapl-vq-codes", "32", "--mapl-vq-sync-rows", "8"]],
+                         ids=["mapl", "mapl-vq"])
+def test_trainer_trains_pp2_with_mapl_and_resumes(mapl, tmp_path):
     path = os.path.join(ROOT, "configs", "gpt-tiny.yaml")
     common = ["--config", path, "--tensor-model-parallel-size", "1", "--no-sequence-parallel",
-              "--pipeline-model-parallel-size", "2", "--taco-mode", "none", "--mapl-ratio", "4"]
+              "--pipeline-model-parallel-size", "2", "--taco-mode", "none", *mapl]
     straight = run_distributed(_train_cli, 2, common + ["--train-iters", "4"], timeout=180)[0]
     run_distributed(_train_cli, 2, common + ["--train-iters", "2", "--save", str(tmp_path)], timeout=180)
     resumed = run_distributed(_train_cli, 2, common + ["--train-iters", "4", "--load", str(tmp_path)], timeout=180)[0]

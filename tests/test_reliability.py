@@ -1,11 +1,12 @@
-"""Fault injection and determinism with compression on (real gloo ranks).
+"""Fault injection and determinism with compression on (real gloo ranks; NCCL for the fp16 test).
 
-Not covered here: fp16 dynamic loss scaling with an injected Inf (megatron-core's mixed-precision
-optimizer accepts only CUDA tensors, so it cannot run on the CPU machines; see
-benchmarks/results/reliability.md).
+The fp16 dynamic-loss-scaling test needs CUDA: megatron-core's mixed-precision optimizer accepts
+only CUDA tensors, so it is skipped on the CPU machines and runs on the GPU machine
+(benchmarks/results/reliability.md says where it ran).
 """
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from megatron_taco.config.mapl import MaplConfig
@@ -59,6 +60,25 @@ def test_nan_in_an_activation_trips_megatrons_nan_check(taco):
         run_distributed(_nan_in_activation, 2, taco, timeout=120)
 
 
+def _nan_in_pipeline_activation(mapl):
+    cfg = TrainConfig(TINY_GPT, pipeline_parallel=2, mapl=mapl)
+    trainer = Trainer(cfg)
+    data = synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, cfg.micro_batch_size, seed=3)
+    trainer.train_step(data)
+    if dist.get_rank() == 0:  # stage 0's layer-2 fc1 input goes NaN: the boundary must pass it on
+        trainer.model.module.module.decoder.layers[1].mlp.linear_fc1.register_forward_pre_hook(
+            lambda module, inputs: (inputs[0].index_fill(0, torch.tensor([3]), float("nan")),))
+    trainer.train_step(data)
+    return "no error"
+
+
+@pytest.mark.parametrize("mapl", [MaplConfig(ratio=4), MaplConfig(ratio=4, vq_levels=2, vq_codes=32)],
+                         ids=["mapl", "mapl-vq"])
+def test_nan_before_a_mapl_boundary_trips_megatrons_nan_check(mapl):
+    with pytest.raises(DistributedTestError, match="NaN"):
+        run_distributed(_nan_in_pipeline_activation, 2, mapl, timeout=120)
+
+
 def _mismatched_mapl():
     rank = dist.get_rank()
     cfg = TrainConfig(TINY_GPT, pipeline_parallel=2, mapl=MaplConfig(ratio=4 if rank == 0 else 8))
@@ -73,3 +93,41 @@ def test_mapl_ranks_that_disagree_fail_on_both_sides_without_hanging():
     assert "MAPL settings differ across pipeline boundary 0" in message
     assert "rank 16 of 64" in message and "rank 8 of 64" in message
     assert "ranks [" in message and "failed after it" in message  # the other side failed too: no hang
+
+
+def _fp16_skips(taco, inject_at, steps=8):
+    cfg = TrainConfig(TINY_GPT, tensor_parallel=2, sequence_parallel=True, dtype="fp16", taco=taco,
+                      initial_loss_scale=2.0**10)
+    trainer = Trainer(cfg)
+    data = synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, cfg.micro_batch_size, seed=3)
+    state = {"step": 0}
+
+    def overflow(module, inputs, output):
+        # rank 1's layer-2 fc2 output gradient overflows at one step; in backward it enters the
+        # (compressed, with TACO) sequence-parallel all-gather
+        if state["step"] == inject_at and dist.get_rank() == 1 and output[0].requires_grad:
+            output[0].register_hook(lambda grad: grad.index_fill(0, torch.tensor([1], device=grad.device),
+                                                                  float("inf")))
+
+    trainer.model.module.module.decoder.layers[1].mlp.linear_fc2.register_forward_hook(overflow)
+    history = []
+    for step in range(steps):
+        state["step"] = step
+        stats = trainer.train_step(data)
+        history.append((stats["skipped"], stats["loss"], trainer.optimizer.get_loss_scale().item()))
+    trainer.close()
+    return history
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA GPUs: megatron-core's fp16 optimizer takes CUDA tensors only")
+def test_fp16_overflow_in_a_compressed_gradient_skips_the_step_like_uncompressed(monkeypatch):
+    monkeypatch.setenv("TACO_TEST_START_METHOD", "spawn")  # CUDA cannot be used in forked children
+    plain = run_distributed(_fp16_skips, 2, None, 3, backend="nccl", timeout=300)[0]
+    taco = run_distributed(_fp16_skips, 2, TACO, 3, backend="nccl", timeout=300)[0]
+    skipped = [s for s, _, _ in taco]
+    assert skipped == [s for s, _, _ in plain], (plain, taco)
+    assert skipped[3], "the overflowed step must be skipped"
+    assert not any(skipped[4:]), "training must go on after the skip"
+    assert [scale for _, _, scale in taco] == [scale for _, _, scale in plain], "same loss-scale history"
+    assert all(abs(loss) < 100 for _, loss, _ in taco[4:])

@@ -16,7 +16,8 @@ class MaplConfigError(TacoConfigError):
 @dataclasses.dataclass(frozen=True)
 class MaplConfig:
     """rank: wire width r of every boundary (hidden d -> r); ratio d / r is the compression;
-    ranks: one r per boundary, in pipeline order (boundary g joins pipeline positions g and g + 1)."""
+    ranks: one r per boundary, in pipeline order (boundary g joins pipeline positions g and g + 1);
+    vq_levels > 0: residual VQ of z with that many codebooks of vq_codes codes (indices on the wire)."""
 
     rank: Optional[int] = None
     ratio: Optional[float] = None
@@ -25,6 +26,11 @@ class MaplConfig:
     lr: float = 0.01
     momentum: float = 0.9
     fixed_projection: bool = False
+    vq_levels: int = 0
+    vq_codes: int = 255
+    vq_decay: float = 0.9
+    vq_sync_rows: int = 0
+    vq_sync_tolerance: float = 1e-3
 
     @property
     def uniform(self) -> bool:
@@ -59,6 +65,9 @@ class MaplConfig:
         boundaries = pipeline_parallel * (virtual_pipeline or 1) - 1
         if self.ranks is not None and len(self.ranks) != boundaries:
             raise MaplConfigError(f"--mapl-ranks: {len(self.ranks)} values given for {boundaries} pipeline boundaries")
+        if self.vq_levels and not self.uniform:
+            raise MaplConfigError(f"--mapl-vq-levels {self.vq_levels} needs one wire width for every boundary; "
+                                  f"--mapl-ranks gives {','.join(map(str, self.ranks))}")
         return boundaries
 
 
@@ -73,6 +82,15 @@ def add_mapl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--mapl-momentum", type=float, default=0.9, help="momentum of the manifold optimizer")
     group.add_argument("--mapl-fixed-projection", action="store_true",
                        help="keep U at its random orthogonal start and use no anchors (the SSN-style baseline)")
+    group.add_argument("--mapl-vq-levels", type=int, default=0,
+                       help="residual VQ after the projection: number of codebooks L (0: off; indices go on the wire)")
+    group.add_argument("--mapl-vq-codes", type=int, default=255,
+                       help="codes K per VQ codebook (2..65535; up to 255 an index is 1 byte on the wire)")
+    group.add_argument("--mapl-vq-decay", type=float, default=0.9, help="EMA decay of the codebook statistics, per step")
+    group.add_argument("--mapl-vq-sync-rows", type=int, default=0,
+                       help="most code words streamed to the receiver per step (0: every changed one)")
+    group.add_argument("--mapl-vq-sync-tolerance", type=float, default=1e-3,
+                       help="a code word is re-sent once it moved by more than this fraction of its norm")
     return parser
 
 
@@ -81,6 +99,14 @@ def mapl_config_from_args(args: argparse.Namespace) -> Optional[MaplConfig]:
     given = [flag for flag, value in (("--mapl-ratio", args.mapl_ratio), ("--mapl-rank", args.mapl_rank),
                                       ("--mapl-ranks", args.mapl_ranks)) if value is not None]
     if not given:
+        defaults = MaplConfig()
+        orphans = [f"--mapl-{name.replace('_', '-')}" for name in
+                   ("anchor_rank", "lr", "momentum", "vq_levels", "vq_codes", "vq_decay", "vq_sync_rows",
+                    "vq_sync_tolerance") if getattr(args, f"mapl_{name}") != getattr(defaults, name)]
+        orphans += ["--mapl-fixed-projection"] if args.mapl_fixed_projection else []
+        if orphans:
+            raise MaplConfigError(f"{', '.join(orphans)} given without --mapl-ratio, --mapl-rank or --mapl-ranks "
+                                  "(MAPL is off)")
         return None
     if len(given) > 1:
         raise MaplConfigError(f"{' and '.join(given)}: give one of them, not several")
@@ -102,8 +128,21 @@ def mapl_config_from_args(args: argparse.Namespace) -> Optional[MaplConfig]:
         raise MaplConfigError(f"--mapl-lr: invalid value {args.mapl_lr:g}; must be > 0")
     if not 0 <= args.mapl_momentum < 1:
         raise MaplConfigError(f"--mapl-momentum: invalid value {args.mapl_momentum:g}; must be in [0, 1)")
+    if args.mapl_vq_levels < 0:
+        raise MaplConfigError(f"--mapl-vq-levels: invalid value {args.mapl_vq_levels}; must be >= 0 (0: no VQ)")
+    if not 2 <= args.mapl_vq_codes <= 65535:
+        raise MaplConfigError(f"--mapl-vq-codes: invalid value {args.mapl_vq_codes}; must be in [2, 65535] "
+                              "(one index value is reserved for non-finite tokens)")
+    if not 0 < args.mapl_vq_decay < 1:
+        raise MaplConfigError(f"--mapl-vq-decay: invalid value {args.mapl_vq_decay:g}; must be in (0, 1)")
+    if args.mapl_vq_sync_rows < 0:
+        raise MaplConfigError(f"--mapl-vq-sync-rows: invalid value {args.mapl_vq_sync_rows}; must be >= 0 (0: no limit)")
+    if args.mapl_vq_sync_tolerance < 0:
+        raise MaplConfigError(f"--mapl-vq-sync-tolerance: invalid value {args.mapl_vq_sync_tolerance:g}; must be >= 0")
     return MaplConfig(
         rank=args.mapl_rank, ratio=args.mapl_ratio, ranks=ranks,
         anchor_rank=0 if args.mapl_fixed_projection else args.mapl_anchor_rank,
         lr=args.mapl_lr, momentum=args.mapl_momentum, fixed_projection=args.mapl_fixed_projection,
+        vq_levels=args.mapl_vq_levels, vq_codes=args.mapl_vq_codes, vq_decay=args.mapl_vq_decay,
+        vq_sync_rows=args.mapl_vq_sync_rows, vq_sync_tolerance=args.mapl_vq_sync_tolerance,
     )

@@ -61,11 +61,14 @@ def _fwht(v, BLOCK_G: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
 def _round_to_grid(x, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUBNORMAL_SHIFTER: tl.constexpr):
     """Round fp32 to the nearest value of a narrower float format (ties to even), keeping the sign.
 
-    Used for FP8 codes and for bf16/fp16 outputs; finite inputs of the target's range only.
+    Used for FP8 codes and for bf16/fp16 outputs; finite values of the target's range are
+    rounded, NaN and Inf pass through unchanged.
 
     Normal range: round the fp32 mantissa to MANTISSA_BITS with integer arithmetic.
     Subnormal range: adding SUBNORMAL_SHIFTER (1.5 * 2^k, whose ulp is the FP8
     subnormal step) makes the fp32 adder round to that step.
+    Non-finite: NVIDIA's NaN is 0x7FFFFFFF, whose mantissa round-up would carry into
+    the sign bit (NaN -> -0.0), so values with an all-ones exponent are kept as they are.
     """
     DROP: tl.constexpr = 23 - MANTISSA_BITS
     HALF_MINUS_ONE: tl.constexpr = (1 << (DROP - 1)) - 1
@@ -78,6 +81,7 @@ def _round_to_grid(x, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB
     ax = magnitude.to(tl.float32, bitcast=True)
     subnormal = ((ax + SUBNORMAL_SHIFTER) - SUBNORMAL_SHIFTER).to(tl.uint32, bitcast=True)
     rounded = tl.where(ax < MIN_NORMAL, subnormal, normal)
+    rounded = tl.where(magnitude >= 0x7F800000, magnitude, rounded)  # NaN / Inf unchanged
     return (rounded | sign).to(tl.float32, bitcast=True)
 
 

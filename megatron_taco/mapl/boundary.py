@@ -12,6 +12,10 @@ summed over both replicas. E and B are ordinary parameters (trained by the
 regular optimizer) whose gradients are also summed over the pair, so the
 replicas stay identical. Because the projection sits inside autograd, the
 backward message dL/dz is r-wide too.
+
+With residual VQ (:mod:`megatron_taco.mapl.vq`) the sender also quantizes z and
+the wire carries the code indices; the quantizer passes gradients straight
+through (dL/dz := dL/dz_q), so the backward message stays r-wide.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from typing import Optional
 import torch
 
 from megatron_taco.mapl.stiefel import random_stiefel
+from megatron_taco.mapl.vq import ResidualVQ, pack_indices, unpack_indices
 
 
 class BoundaryCodec(torch.nn.Module):
@@ -34,6 +39,7 @@ class BoundaryCodec(torch.nn.Module):
         boundary: int,
         trainable: bool = True,
         sequence_parallel: bool = False,
+        vq: Optional[ResidualVQ] = None,
     ) -> None:
         super().__init__()
         self.boundary = boundary
@@ -49,6 +55,18 @@ class BoundaryCodec(torch.nn.Module):
                 # with SP each TP rank sees other tokens: finalize_model_grads all-reduces these over TP
                 param.sequence_parallel = sequence_parallel
                 param.mapl_anchor = True
+        self.vq = vq
+
+    def _apply(self, fn, recurse: bool = True):
+        """Megatron's Float16Module casts the whole model to half; U and the codebooks stay fp32 (moves still apply)."""
+        before = dict(self.named_buffers())
+        super()._apply(fn, recurse)
+        for name, after in list(self.named_buffers()):
+            old = before[name]
+            if after.dtype != old.dtype:
+                owner = self.get_submodule(name.rpartition(".")[0]) if "." in name else self
+                owner._buffers[name.rpartition(".")[2]] = old.detach().to(after.device).requires_grad_(old.requires_grad)
+        return self
 
     def _anchors(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:
         """a(t) for tokens [s, b] as fp32 [s, b, d], or None without anchors."""
@@ -61,6 +79,18 @@ class BoundaryCodec(torch.nn.Module):
         anchors = self._anchors(tokens)
         centred = hidden.float() if anchors is None else hidden.float() - anchors
         return (centred @ self.projection).to(hidden.dtype)
+
+    def quantize(self, z: torch.Tensor, wire_dtype: torch.dtype) -> torch.Tensor:
+        """Sender with VQ: z_q (value) with z's gradient, its packed indices attached as ``mapl_indices``."""
+        indices, quantized = self.vq.encode(z, record=torch.is_grad_enabled() and self.training)
+        output = z + (quantized.to(z.dtype) - z).detach()  # straight-through: dL/dz = dL/dz_q
+        output.mapl_indices = pack_indices(indices, self.vq.codes, wire_dtype)
+        return output
+
+    def dequantize(self, carrier: torch.Tensor) -> torch.Tensor:
+        """Receiver with VQ: z_q (fp32) decoded from the carrier's indices, with the carrier's gradient."""
+        indices = unpack_indices(carrier.mapl_indices, self.vq.levels, self.vq.codes)
+        return carrier.float() + self.vq.decode(indices)
 
     def reconstruct(self, z: torch.Tensor, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[s, b, r] -> [s, b, d]."""

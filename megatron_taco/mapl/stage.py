@@ -54,12 +54,15 @@ class MaplStage(torch.nn.Module):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: Any, **kwargs: Any):
         tokens = self._local_tokens(input_ids) if (self.recv is not None or self.send is not None) else None
+        dtype = self.config.pipeline_dtype
         if self.recv is not None:
-            dtype = self.config.pipeline_dtype or self._received.dtype
-            self.module.set_input_tensor(self.recv.reconstruct(self._received, tokens, dtype))
+            received = self.recv.dequantize(self._received) if self.recv.vq is not None else self._received
+            self.module.set_input_tensor(self.recv.reconstruct(received, tokens, dtype or self._received.dtype))
         output = self.module(input_ids, position_ids, attention_mask, **kwargs)
         if self.send is not None:
             output = self.send.project(output, tokens)
+            if self.send.vq is not None:
+                output = self.send.quantize(output, dtype or output.dtype)
         return output
 
     def boundaries(self) -> List[BoundaryCodec]:
@@ -139,21 +142,30 @@ class MaplSync:
             if self.trainable else None
 
     def _check_pairs_agree(self) -> None:
-        """Both sides of every boundary must use the same settings, or the r-wide P2P would hang."""
+        """Both sides of every boundary must use the same settings, or the r-wide P2P would hang.
+
+        Also learns each boundary's sending rank (the source of its codebook updates).
+        """
+        self.senders: Dict[int, int] = {}
         for boundary in self.boundaries:
-            mine = torch.tensor([boundary.hidden_size, boundary.rank, boundary.anchor_rank, int(boundary.trainable)],
+            vq = boundary.vq
+            sending = any(stage.send is boundary for stage in self.stages)
+            mine = torch.tensor([boundary.hidden_size, boundary.rank, boundary.anchor_rank, int(boundary.trainable),
+                                 vq.levels if vq else 0, vq.codes if vq else 0, dist.get_rank() if sending else -1],
                                 dtype=torch.int64, device=boundary.projection.device)
             group = self.groups[boundary.boundary]
             both = [torch.zeros_like(mine) for _ in range(2)]
             dist.all_gather(both, mine, group=group)
-            if not torch.equal(both[0], both[1]):
+            if not torch.equal(both[0][:-1], both[1][:-1]):
                 describe = lambda t: f"rank {int(t[1])} of {int(t[0])}, anchor rank {int(t[2])}, " \
-                    f"{'learned' if t[3] else 'fixed'} projection"  # noqa: E731
+                    f"{'learned' if t[3] else 'fixed'} projection, " \
+                    f"VQ {f'{int(t[4])} levels x {int(t[5])} codes' if t[4] else 'off'}"  # noqa: E731
                 ranks = dist.get_process_group_ranks(group)
                 raise RuntimeError(
                     f"MAPL settings differ across pipeline boundary {boundary.boundary}: global rank {ranks[0]} "
                     f"uses {describe(both[0])}; global rank {ranks[1]} uses {describe(both[1])}"
                 )
+            self.senders[boundary.boundary] = int(max(both[0][-1], both[1][-1]))
 
     def finalize_grads(self) -> None:
         """Sum U and anchor gradients over TP (U only; anchors via SP tagging), DP and the boundary pair."""
@@ -185,3 +197,21 @@ class MaplSync:
         self.optimizer.step([b.projection.grad for b in self.trainable])
         for b in self.trainable:
             b.projection.grad = None
+
+    def codebook_step(self) -> int:
+        """VQ: senders fold this step's statistics into their EMA codebooks; changed rows stream to receivers.
+
+        Returns the code words this rank sent or received. Boundaries go in ascending order on every
+        rank, so the pair broadcasts of neighbouring boundaries cannot deadlock.
+        """
+        sp = parallel_state.get_tensor_model_parallel_world_size() > 1 and self.stages[0].config.sequence_parallel
+        reduce_groups = (parallel_state.get_data_parallel_group(),
+                         parallel_state.get_tensor_model_parallel_group() if sp else None)
+        rows = 0
+        for boundary in sorted(self.boundaries, key=lambda b: b.boundary):
+            if boundary.vq is None:
+                continue
+            sender = self.senders[boundary.boundary]
+            target = boundary.vq.update_targets(reduce_groups) if sender == dist.get_rank() else None
+            rows += boundary.vq.sync(self.groups[boundary.boundary], sender, target)
+        return rows

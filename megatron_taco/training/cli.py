@@ -18,6 +18,7 @@ import torch.distributed as dist
 import yaml
 
 from megatron_taco.config.mapl import add_mapl_args, mapl_config_from_args
+from megatron_taco.mapl.vq import index_bytes
 from megatron_taco.config.taco import TacoConfigError, add_taco_args, taco_config_from_args
 from megatron_taco.megatron.telemetry import TELEMETRY
 from megatron_taco.training.checkpoint import load_checkpoint, save_checkpoint
@@ -212,7 +213,10 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
         widths = [args.mapl.wire_rank(cfg.shape.hidden_size, b) for b in range(boundaries)]
         _log(f"MAPL: {boundaries} boundaries, hidden {cfg.shape.hidden_size} -> {widths} "
              f"({', '.join(f'{cfg.shape.hidden_size / r:g}x' for r in widths)}), anchor rank {args.mapl.anchor_rank}"
-             + (", fixed projection" if args.mapl.fixed_projection else ""))
+             + (", fixed projection" if args.mapl.fixed_projection else "")
+             + (f", residual VQ {args.mapl.vq_levels} x {args.mapl.vq_codes} codes "
+                f"({args.mapl.vq_levels * index_bytes(args.mapl.vq_codes)} bytes/token forward)"
+                if args.mapl.vq_levels else ""))
     # one identical stream per model chunk (the interleaved schedule reads each chunk's own)
     streams = [make_data(args.data, cfg, args.seed, trainer.data_parallel_rank) for _ in trainer.models]
     data = [train for train, _ in streams] if len(streams) > 1 else streams[0][0]
@@ -240,6 +244,7 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
                     f"step {step}/{args.train_iters} | loss {stats['loss']:.4f} | "
                     f"grad norm {stats['grad_norm']:.3f} | {tokens_per_step / elapsed:.0f} tokens/s"
                     + (" | skipped" if stats["skipped"] else "")
+                    + (f" | {stats['codebook_rows']} code words synced" if args.mapl and args.mapl.vq_levels else "")
                 )
             if valid is not None and args.eval_iters and (
                 (args.eval_interval and step % args.eval_interval == 0) or step == args.train_iters

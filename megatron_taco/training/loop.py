@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from functools import partial
-from typing import Callable, Dict, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from megatron.core.distributed import (
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
@@ -32,6 +33,8 @@ from megatron_taco.config.mapl import MaplConfig
 from megatron_taco.config.taco import TacoConfig
 from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stage import MaplStage, MaplSync, ScheduleView
+from megatron_taco.mapl.vq import ResidualVQ, packed_width
+from megatron_taco.mapl.wire import IndexWireCommunicator
 from megatron_taco.megatron.attach import attach_taco
 from megatron_taco.megatron.specs import LOCAL_SPEC_CONFIG, taco_layer_spec
 from megatron_taco.megatron.telemetry import TELEMETRY
@@ -57,6 +60,7 @@ class TrainConfig:
     dtype: str = "fp32"
     dropout: float = 0.0
     seed: int = 1234
+    initial_loss_scale: float = 2.0**32  # fp16 only: dynamic loss scaling starts here (megatron-core's default)
     taco: Optional[TacoConfig] = None  # None: stock megatron-core linears
     mapl: Optional[MaplConfig] = None  # None: uncompressed pipeline boundaries
 
@@ -148,12 +152,12 @@ class Trainer:
         if cfg.taco is not None:
             TELEMETRY.error_sample_interval = cfg.taco.error_sample_interval
         if dtype != torch.float32:  # Megatron's mixed precision: half params, fp32 logits and main params
-            chunks = [Float16Module(self.config, chunk) for chunk in chunks]
-            for boundary in self.mapl_boundaries:  # U stays fp32 (orthogonality to ~1e-7)
-                boundary.projection = boundary.projection.detach().float().requires_grad_(boundary.trainable)
+            chunks = [Float16Module(self.config, chunk) for chunk in chunks]  # MAPL state stays fp32 (BoundaryCodec)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
-            check_for_nan_in_grad=True,  # NaN/Inf gradients stop training with an error, compressed or not
+            # NaN/Inf gradients stop training with an error, compressed or not; except with fp16's dynamic
+            # loss scaling, where they are the scaler's overflow signal (the step is skipped), as in Megatron-LM
+            check_for_nan_in_grad=dtype != torch.float16,
         )
         self.models = [DistributedDataParallel(self.config, ddp_config, chunk) for chunk in chunks]
         self.model = self.models[0]
@@ -165,6 +169,7 @@ class Trainer:
                 clip_grad=cfg.clip_grad,
                 bf16=dtype == torch.bfloat16,
                 fp16=dtype == torch.float16,
+                initial_loss_scale=cfg.initial_loss_scale,
                 params_dtype=dtype,
                 use_distributed_optimizer=False,
             ),
@@ -177,12 +182,20 @@ class Trainer:
         self.step_count = 0
         self.mapl_sync = None
         self.schedule_models = self.models
+        self.schedule_comm: Dict[str, Any] = {}  # megatron-core's own P2P unless MAPL VQ needs the index wire
         if cfg.mapl is not None:
             self.mapl_sync = MaplSync(self._mapl_stages, lr=cfg.mapl.lr, momentum=cfg.mapl.momentum)
             widths = [cfg.mapl.wire_rank(cfg.shape.hidden_size, b)
                       for b in range(cfg.mapl.check_layout(cfg.pipeline_parallel, cfg.virtual_pipeline))]
             self.schedule_models = [ScheduleView(m, max(widths), variable_shapes=not cfg.mapl.uniform)
                                     for m in self.models]
+            if cfg.mapl.vq_levels:
+                self.schedule_comm = dict(
+                    p2p_communicator=IndexWireCommunicator(
+                        parallel_state.get_pipeline_model_parallel_group(), self.schedule_models[0].config,
+                        packed_width(cfg.mapl.vq_levels, cfg.mapl.vq_codes, self.config.pipeline_dtype)),
+                    pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
+                )
 
     mapl_boundaries: list = []
 
@@ -203,6 +216,9 @@ class Trainer:
                 vocab_size=cfg.shape.padded_vocab_size(cfg.tensor_parallel), anchor_rank=mapl.anchor_rank,
                 seed=cfg.seed, boundary=index, trainable=not mapl.fixed_projection,
                 sequence_parallel=cfg.sequence_parallel,
+                vq=ResidualVQ(mapl.wire_rank(cfg.shape.hidden_size, index), mapl.vq_levels, mapl.vq_codes,
+                              mapl.vq_decay, mapl.vq_sync_rows, mapl.vq_sync_tolerance,
+                              seed=cfg.seed * 7919 + index) if mapl.vq_levels else None,
             ).to(self.device)
 
         recv = boundary(position - 1) if position > 0 else None
@@ -240,13 +256,16 @@ class Trainer:
         if self.mapl_sync is not None:
             self.mapl_sync.finalize_grads()
         updated, grad_norm, _ = self.optimizer.step()
+        codebook_rows = 0
         if self.mapl_sync is not None:
             self.mapl_sync.manifold_step()
+            codebook_rows = self.mapl_sync.codebook_step()
         self.step_count += 1
         return {
             "loss": self._share_loss(losses),
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "skipped": not updated,
+            "codebook_rows": codebook_rows,
         }
 
     @torch.no_grad()
@@ -268,6 +287,7 @@ class Trainer:
             seq_length=cfg.shape.seq_length,
             micro_batch_size=cfg.micro_batch_size,
             forward_only=forward_only,
+            **self.schedule_comm,
         )
 
     def _share_loss(self, losses) -> float:
