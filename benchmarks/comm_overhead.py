@@ -27,28 +27,19 @@ from megatron_taco.codec import TacoCodec  # noqa: E402
 from megatron_taco.testing.distributed import run_distributed  # noqa: E402
 
 
-def _host_us(fn, calls: int = 200) -> float:
+def _per_call_us(fn, calls: int, sync_each: bool) -> float:
+    """Wall microseconds per call; without ``sync_each`` the host's launch cost (the GPU may still be busy)."""
     for _ in range(10):
         fn()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):
         fn()
-    host = time.perf_counter() - start
+        if sync_each:
+            torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
     torch.cuda.synchronize()
-    return host / calls * 1e6
-
-
-def _latency_us(fn, calls: int = 100) -> float:
-    """Wall time per call with a device synchronisation after each one."""
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
+    return elapsed / calls * 1e6
 
 
 def _python_profile(fn, calls: int = 200) -> str:
@@ -85,7 +76,8 @@ def _worker():
         "comm.all_gather uncompressed": lambda: comm.all_gather(x, None, None, options),
         "comm.all_gather compressed": lambda: comm.all_gather(x, None, codec, options),
     }
-    rows = {name: (_host_us(fn), _latency_us(fn)) for name, fn in calls.items()}
+    rows = {name: (_per_call_us(fn, 200, sync_each=False), _per_call_us(fn, 100, sync_each=True))
+            for name, fn in calls.items()}
     python_profile = _python_profile(lambda: comm.all_gather(x, None, codec, options))
     from torch.profiler import ProfilerActivity, profile
 

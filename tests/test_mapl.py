@@ -1,21 +1,21 @@
 """MAPL: Stiefel optimisation, r-wide pipeline traffic, replica consistency, flags (real gloo ranks)."""
 
 import argparse
-import contextlib
-
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_taco.config.mapl import MaplConfig, MaplConfigError, add_mapl_args, mapl_config_from_args
+from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stiefel import (
     StiefelMomentumSGD,
     orthogonality_error,
     random_stiefel,
     tangent_project,
 )
+from megatron_taco.mapl.vq import ResidualVQ
 from megatron_taco.testing.distributed import run_distributed
 from megatron_taco.testing.models import TINY_GPT
+from megatron_taco.testing.p2p import recording_p2p
 from megatron_taco.training.data import synthetic_batches
 from megatron_taco.training.loop import TrainConfig, Trainer
 
@@ -46,30 +46,13 @@ def test_manifold_descent_finds_the_top_eigenspace():
     assert float(riemannian.norm()) < 1e-2
 
 
-@contextlib.contextmanager
-def _recording_p2p():
-    """Record (op name, tensor shape) of every batched P2P op megatron-core issues inside the block."""
-    ops_seen = []
-    original = dist.batch_isend_irecv
-
-    def recording(ops):
-        ops_seen.extend((op.op.__name__, tuple(op.tensor.shape)) for op in ops)
-        return original(ops)
-
-    dist.batch_isend_irecv = recording
-    try:
-        yield ops_seen
-    finally:
-        dist.batch_isend_irecv = original
-
-
 def _train(mapl, steps, tp=1, pp=2, sp=False, count_p2p=False):
     cfg = TrainConfig(TINY_GPT, tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp, lr=3e-3, mapl=mapl)
     trainer = Trainer(cfg)
     data = synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, cfg.micro_batch_size, seed=1)
-    with _recording_p2p() as recorded:
+    with recording_p2p() as recorded:
         losses = [trainer.train_step(data)["loss"] for _ in range(steps)]
-    shapes = recorded if count_p2p else []
+    shapes = [(kind, shape) for kind, _, shape in recorded] if count_p2p else []
     projections = {b.boundary: b.projection.detach().clone() for b in trainer.mapl_boundaries}
     anchors = {b.boundary: b.anchor_basis.detach().clone() for b in trainer.mapl_boundaries if b.anchor_rank}
     in_optimizer = any(
@@ -127,9 +110,9 @@ def _train_interleaved(steps):
     cfg = TrainConfig(TINY_GPT, pipeline_parallel=2, virtual_pipeline=2, lr=3e-3, mapl=MaplConfig(ratio=4))
     trainer = Trainer(cfg)
     streams = [synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, 2, seed=1) for _ in range(2)]
-    with _recording_p2p() as recorded:
+    with recording_p2p() as recorded:
         losses = [trainer.train_step(streams)["loss"] for _ in range(steps)]
-    shapes = [shape for _, shape in recorded]
+    shapes = [shape for _, _, shape in recorded]
     projections = {b.boundary: b.projection.detach().clone() for b in trainer.mapl_boundaries}
     trainer.close()
     return losses, projections, shapes
@@ -149,9 +132,9 @@ def _train_pp4_per_boundary_ranks(steps):
     cfg = TrainConfig(TINY_GPT, pipeline_parallel=4, lr=3e-3, mapl=MaplConfig(ranks=(32, 16, 8)))
     trainer = Trainer(cfg)
     data = synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, 2, seed=1)
-    with _recording_p2p() as recorded:
+    with recording_p2p() as recorded:
         losses = [trainer.train_step(data)["loss"] for _ in range(steps)]
-    widths = {shape[-1] for _, shape in recorded if len(shape) == 3}
+    widths = {shape[-1] for _, _, shape in recorded if len(shape) == 3}
     projections = {b.boundary: b.projection.detach().clone() for b in trainer.mapl_boundaries}
     trainer.close()
     return losses, projections, widths
@@ -167,6 +150,21 @@ def test_each_boundary_can_have_its_own_rank():
     for b in expected:
         assert torch.equal(results[b][1][b], results[b + 1][1][b])
     assert results[0][0][-1] < results[0][0][0]
+
+
+def test_projection_stays_an_fp32_leaf_through_moves_and_half_casts():
+    codec = BoundaryCodec(hidden_size=16, rank=4, vocab_size=10, anchor_rank=2, seed=0, boundary=0,
+                          vq=ResidualVQ(4, 2, 8, 0.9, 0, 1e-3, seed=0))
+    initial = codec.projection.detach().clone()
+    codec.bfloat16()  # what Float16Module does to the whole model
+    assert torch.equal(codec.projection, initial), "U must not be rounded to bf16"
+    assert codec.vq.codebooks.dtype == torch.float32 and codec.anchor_basis.dtype == torch.bfloat16
+    z = codec.project(torch.randn(3, 1, 16, dtype=torch.bfloat16), torch.zeros(3, 1, dtype=torch.long))
+    z.float().sum().backward()
+    assert codec.projection.grad is not None and codec.projection.grad.dtype == torch.float32
+    codec.to(torch.device("meta"))  # a device move (as to CUDA) must leave a leaf that collects gradients
+    assert codec.projection.is_leaf and codec.projection.requires_grad and codec.projection.device.type == "meta"
+    assert codec.vq.codebooks.device.type == "meta"
 
 
 def test_fixed_projection_baseline_keeps_u():
@@ -190,10 +188,26 @@ def _parse(argv):
         (["--mapl-ratio", "4", "--mapl-anchor-rank", "-1"], "--mapl-anchor-rank"),
         (["--mapl-ratio", "4", "--mapl-lr", "0"], "--mapl-lr"),
         (["--mapl-ratio", "4", "--mapl-momentum", "1"], "--mapl-momentum"),
+        (["--mapl-ratio", "4", "--mapl-vq-levels", "-1"], "--mapl-vq-levels"),
+        (["--mapl-ratio", "4", "--mapl-vq-levels", "2", "--mapl-vq-codes", "1"], "--mapl-vq-codes"),
+        (["--mapl-ratio", "4", "--mapl-vq-levels", "2", "--mapl-vq-codes", "65536"], "--mapl-vq-codes"),
+        (["--mapl-ratio", "4", "--mapl-vq-levels", "2", "--mapl-vq-decay", "1"], "--mapl-vq-decay"),
+        (["--mapl-ratio", "4", "--mapl-vq-levels", "2", "--mapl-vq-sync-rows", "-3"], "--mapl-vq-sync-rows"),
+        (["--mapl-ratio", "4", "--mapl-vq-levels", "2", "--mapl-vq-sync-tolerance", "-1"],
+         "--mapl-vq-sync-tolerance"),
     ],
 )
 def test_invalid_mapl_flags_name_the_flag(argv, flag):
     with pytest.raises(MaplConfigError, match=flag):
+        _parse(argv)
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["--mapl-vq-levels", "2"], "--mapl-vq-levels"),
+    (["--mapl-anchor-rank", "4", "--mapl-fixed-projection"], "--mapl-anchor-rank, --mapl-fixed-projection"),
+])
+def test_mapl_flags_without_a_rank_are_rejected(argv, named):
+    with pytest.raises(MaplConfigError, match=f"{named} given without --mapl-ratio"):
         _parse(argv)
 
 

@@ -1,8 +1,6 @@
 """MAPL residual VQ: index packing, quantizer numerics against float64, EMA learning, the index wire,
 codebook synchronisation between the two sides of a boundary (real gloo ranks)."""
 
-import contextlib
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -11,6 +9,7 @@ from megatron_taco.config.mapl import MaplConfig, MaplConfigError
 from megatron_taco.mapl.vq import ResidualVQ, index_bytes, pack_indices, packed_width, unpack_indices
 from megatron_taco.testing.distributed import DistributedTestError, run_distributed
 from megatron_taco.testing.models import TINY_GPT
+from megatron_taco.testing.p2p import recording_p2p
 from megatron_taco.testing.tensors import DISTRIBUTIONS
 from megatron_taco.training.data import synthetic_batches
 from megatron_taco.training.loop import TrainConfig, Trainer
@@ -94,28 +93,12 @@ def test_non_finite_tokens_decode_to_nan_and_stay_out_of_the_statistics():
     assert torch.isfinite(vq.step_sum).all()
 
 
-@contextlib.contextmanager
-def _recording_p2p():
-    ops_seen = []
-    original = dist.batch_isend_irecv
-
-    def recording(ops):
-        ops_seen.extend((op.op.__name__, op.tensor.dtype, tuple(op.tensor.shape)) for op in ops)
-        return original(ops)
-
-    dist.batch_isend_irecv = recording
-    try:
-        yield ops_seen
-    finally:
-        dist.batch_isend_irecv = original
-
-
 def _train_vq(steps, mapl, tp=1, pp=2, sp=False):
     cfg = TrainConfig(TINY_GPT, tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp, lr=3e-3, mapl=mapl)
     trainer = Trainer(cfg)
     data = synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, cfg.micro_batch_size, seed=1)
     losses, rows, books = [], [], []
-    with _recording_p2p() as recorded:
+    with recording_p2p() as recorded:
         for _ in range(steps):
             stats = trainer.train_step(data)
             losses.append(stats["loss"])

@@ -58,14 +58,16 @@ class BoundaryCodec(torch.nn.Module):
         self.vq = vq
 
     def _apply(self, fn, recurse: bool = True):
-        """Megatron's Float16Module casts the whole model to half; U and the codebooks stay fp32 (moves still apply)."""
+        """Moves apply to U and the codebooks; casts do not (Megatron's Float16Module halves the whole model,
+        MAPL state stays fp32). U stays a leaf that collects its gradient (a device move alone would make it
+        the output of a copy, whose .grad autograd never fills)."""
         before = dict(self.named_buffers())
         super()._apply(fn, recurse)
         for name, after in list(self.named_buffers()):
             old = before[name]
-            if after.dtype != old.dtype:
-                owner = self.get_submodule(name.rpartition(".")[0]) if "." in name else self
-                owner._buffers[name.rpartition(".")[2]] = old.detach().to(after.device).requires_grad_(old.requires_grad)
+            kept = old.detach().to(after.device) if after.dtype != old.dtype else after.detach()
+            owner = self.get_submodule(name.rpartition(".")[0]) if "." in name else self
+            owner._buffers[name.rpartition(".")[2]] = kept.requires_grad_(old.requires_grad)
         return self
 
     def _anchors(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:

@@ -248,7 +248,6 @@ class Trainer:
 
     def train_step(self, data_iterator: Iterator[Dict[str, torch.Tensor]]) -> Dict[str, float]:
         """One optimizer step over ``num_microbatches``; the loss is returned on every rank."""
-        cfg = self.cfg
         for model in self.models:
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
