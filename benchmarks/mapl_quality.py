@@ -4,7 +4,8 @@
 
 Variants: uncompressed; MAPL at 2x, 4x, 8x, 16x (learned U + token anchors);
 the SSN-style baseline (a fixed random orthogonal projection, no anchors) at
-8x; MAPL 8x + residual VQ; MAPL 8x at two other manifold learning rates.
+8x; MAPL 8x + residual VQ; MAPL 8x at two other manifold learning rates; MAPL 8x
+and 16x with anchor rank 64.
 Data: the Python standard library's sources, byte-level; validation on
 held-out files. Writes mapl_quality.md, mapl_quality.json and a loss-curve PNG,
 rewritten after every variant (a cut-short run leaves a valid partial report).
@@ -41,6 +42,8 @@ VARIANTS = {
     "MAPL 8x + VQ (2 x 255 codes)": MaplConfig(ratio=8, vq_levels=2, vq_codes=255),
     "MAPL 8x, manifold lr 0.001": MaplConfig(ratio=8, lr=0.001),
     "MAPL 8x, manifold lr 0.1": MaplConfig(ratio=8, lr=0.1),
+    "MAPL 8x, anchor rank 64": MaplConfig(ratio=8, anchor_rank=64),
+    "MAPL 16x, anchor rank 64": MaplConfig(ratio=16, anchor_rank=64),
 }
 
 
