@@ -73,8 +73,8 @@ LOSS_VARIANTS = {  # name: (TACO, MAPL); TACO runs at TP=2 + SP, MAPL at PP=2
     "baseline": (None, None),
     "TACO fp8-ash": (TacoConfig(default=LinearSettings(mode="fp8-ash"), min_bytes=0), None),
     "TACO fp8 (no Hadamard)": (TacoConfig(default=LinearSettings(mode="fp8"), min_bytes=0), None),
-    "MAPL 8x (PP=2)": (None, MaplConfig(ratio=8)),
-    "MAPL 8x + VQ 2 x 255 (PP=2)": (None, MaplConfig(ratio=8, vq_levels=2, vq_codes=255)),
+    "MAPL 8x (PP=2)": (None, MaplConfig(ratio=8, anchor_rank=16)),
+    "MAPL 8x + VQ 2 x 255 (PP=2)": (None, MaplConfig(ratio=8, vq_levels=2, vq_codes=255, anchor_rank=16)),
 }
 
 
@@ -133,8 +133,9 @@ def _pipeline_worker(steps: int, warmup: int, micro_batches: int):
     """PP=2 throughput of the wide-shallow GPT: uncompressed vs MAPL 4x, 8x and 8x + VQ."""
     results = []
     model_name, shape = PIPELINE_MODEL
-    for variant, mapl in (("baseline", None), ("MAPL 4x", MaplConfig(ratio=4)), ("MAPL 8x", MaplConfig(ratio=8)),
-                          ("MAPL 8x + VQ 2 x 255", MaplConfig(ratio=8, vq_levels=2, vq_codes=255))):
+    for variant, mapl in (("baseline", None), ("MAPL 4x", MaplConfig(ratio=4, anchor_rank=16)),
+                          ("MAPL 8x", MaplConfig(ratio=8, anchor_rank=16)),
+                          ("MAPL 8x + VQ 2 x 255", MaplConfig(ratio=8, vq_levels=2, vq_codes=255, anchor_rank=16))):
         cfg = TrainConfig(shape, pipeline_parallel=2, micro_batch_size=PIPELINE_MICRO_BATCH,
                           num_microbatches=micro_batches, dtype="bf16", lr=1e-4, mapl=mapl)
         trainer = Trainer(cfg)

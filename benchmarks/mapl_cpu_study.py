@@ -29,8 +29,8 @@ MODEL = ModelShape(num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hid
                    seq_length=128)
 VARIANTS = {
     "uncompressed": None,
-    "MAPL 8x": MaplConfig(ratio=8),
-    "MAPL 8x, manifold lr 0.1": MaplConfig(ratio=8, lr=0.1),
+    "MAPL 8x": MaplConfig(ratio=8, anchor_rank=16),
+    "MAPL 8x, manifold lr 0.1": MaplConfig(ratio=8, lr=0.1, anchor_rank=16),
     "MAPL 8x, anchor rank 64": MaplConfig(ratio=8, anchor_rank=64),
     "fixed projection 8x (SSN-style)": MaplConfig(ratio=8, fixed_projection=True, anchor_rank=0),
 }

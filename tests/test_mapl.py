@@ -129,7 +129,7 @@ def test_interleaved_schedule_carries_r_wide_tensors_at_every_boundary():
 
 
 def _train_pp4_per_boundary_ranks(steps):
-    cfg = TrainConfig(TINY_GPT, pipeline_parallel=4, lr=3e-3, mapl=MaplConfig(ranks=(32, 16, 8)))
+    cfg = TrainConfig(TINY_GPT, pipeline_parallel=4, lr=3e-3, mapl=MaplConfig(ranks=(32, 16, 8), anchor_rank=16))
     trainer = Trainer(cfg)
     data = synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, 2, seed=1)
     with recording_p2p() as recorded:

@@ -22,7 +22,7 @@ class MaplConfig:
     rank: Optional[int] = None
     ratio: Optional[float] = None
     ranks: Optional[Tuple[int, ...]] = None
-    anchor_rank: int = 16
+    anchor_rank: int = 64  # 64 beat 16 at 8x on GPU (+2.3% vs +3.6%) and CPU (benchmarks/results/mapl_quality.md)
     lr: float = 0.01
     momentum: float = 0.9
     fixed_projection: bool = False
@@ -77,7 +77,7 @@ def add_mapl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--mapl-rank", type=int, default=None, help="wire width r at every boundary (instead of a ratio)")
     group.add_argument("--mapl-ranks", default=None,
                        help="one wire width per boundary, in pipeline order, e.g. '64,32,64' (PP=4)")
-    group.add_argument("--mapl-anchor-rank", type=int, default=16, help="rank k of the token anchors E[t] B (0: none)")
+    group.add_argument("--mapl-anchor-rank", type=int, default=64, help="rank k of the token anchors E[t] B (0: none)")
     group.add_argument("--mapl-lr", type=float, default=0.01, help="learning rate of the manifold optimizer")
     group.add_argument("--mapl-momentum", type=float, default=0.9, help="momentum of the manifold optimizer")
     group.add_argument("--mapl-fixed-projection", action="store_true",
