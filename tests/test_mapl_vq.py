@@ -142,6 +142,27 @@ def test_tp2_pp2_sequence_parallel_keeps_every_pair_identical():
     assert results[0]["losses"][-1] < results[0]["losses"][0]
 
 
+def _train_vq_interleaved(steps):
+    cfg = TrainConfig(TINY_GPT, pipeline_parallel=2, virtual_pipeline=2, lr=3e-3,
+                      mapl=MaplConfig(ratio=4, vq_levels=2, vq_codes=32))
+    trainer = Trainer(cfg)
+    streams = [synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, 2, seed=1) for _ in range(2)]
+    with recording_p2p() as recorded:
+        losses = [trainer.train_step(streams)["loss"] for _ in range(steps)]
+    books = {b.boundary: b.vq.codebooks.clone() for b in trainer.mapl_boundaries}
+    trainer.close()
+    return losses, books, {shape[-1] for _, _, shape in recorded}
+
+
+def test_interleaved_schedule_sends_indices_at_every_chunk_boundary():
+    (losses, books0, widths0), (_, books1, widths1) = run_distributed(_train_vq_interleaved, 2, 8, timeout=300)
+    assert sorted(books0) == sorted(books1) == [0, 1, 2]  # 2 stages x 2 chunks: 3 boundaries, both ranks hold each
+    assert all(torch.equal(books0[b], books1[b]) for b in books0)
+    # forward: 2 one-byte indices in one fp32 element; backward: r = 16 wide
+    assert widths0 == widths1 == {packed_width(2, 32, torch.float32), TINY_GPT.hidden_size // 4}
+    assert all(torch.isfinite(torch.tensor(losses)))
+
+
 def _vq_mismatch():
     codes = 32 if dist.get_rank() == 0 else 64
     Trainer(TrainConfig(TINY_GPT, pipeline_parallel=2, mapl=MaplConfig(ratio=4, vq_levels=2, vq_codes=codes)))
