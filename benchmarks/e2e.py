@@ -186,10 +186,13 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["TACO_TEST_START_METHOD"] = "spawn"
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    results = {"throughput": {}, "pipeline": {}, "loss": {}}
+    results = {"throughput": {}, "pipeline": {}, "loss": {}, "seconds": {}}
     os.makedirs(args.out_dir, exist_ok=True)
+    started = time.perf_counter()
 
-    def report() -> None:
+    def report(part: str) -> None:
+        """Rewrite the report with what is measured so far; wall seconds per part (for sizing the defaults)."""
+        results["seconds"][part] = round(time.perf_counter() - started - sum(results["seconds"].values()), 1)
         with open(os.path.join(args.out_dir, "e2e.json"), "w") as f:
             json.dump(results, f, indent=1)
         _plot(results, args.out_dir)
@@ -201,19 +204,19 @@ def main() -> None:
             results["throughput"][regime] = run_distributed(
                 _throughput_worker, 2, args.steps, args.warmup, args.micro_batches,
                 backend="nccl", env=REGIMES[regime], timeout=1200)[0]
-            report()
+            report(f"throughput {regime}")
     if "pipeline" in args.parts:
         for regime in args.regimes.split(","):
             print(f"pipeline throughput, regime {regime}", flush=True)
             results["pipeline"][regime] = run_distributed(
                 _pipeline_worker, 2, args.steps, args.warmup, args.pipeline_micro_batches,
                 backend="nccl", env=REGIMES[regime], timeout=1200)[0]
-            report()
+            report(f"pipeline {regime}")
     if "loss" in args.parts:
         print("loss study", flush=True)
         results["loss"] = run_distributed(_loss_worker, 2, args.loss_steps, args.eval_iters, args.loss_models,
                                           backend="nccl", timeout=1200)[0]
-        report()
+        report("loss")
 
 
 def _plot(results, out_dir) -> None:
@@ -253,6 +256,7 @@ def _write(args, results) -> None:
         f"- Date: {datetime.date.today().isoformat()}; 2 x {props.name}; torch {torch.__version__}, "
         f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, triton {triton.__version__}",
         "- Trainer: `megatron_taco.training` (megatron-core GPTModel, local spec, DDP, Adam, bf16 with fp32 main params).",
+        "- Wall seconds per part: " + ", ".join(f"{part} {sec:g}" for part, sec in results["seconds"].items()),
         "",
     ]
     if results["throughput"]:
