@@ -198,20 +198,15 @@ def main() -> None:
         _plot(results, args.out_dir)
         _write(args, results)
 
-    if "throughput" in args.parts:
+    for part, worker, micro_batches in (("throughput", _throughput_worker, args.micro_batches),
+                                        ("pipeline", _pipeline_worker, args.pipeline_micro_batches)):
+        if part not in args.parts:
+            continue
         for regime in args.regimes.split(","):
-            print(f"throughput, regime {regime}", flush=True)
-            results["throughput"][regime] = run_distributed(
-                _throughput_worker, 2, args.steps, args.warmup, args.micro_batches,
-                backend="nccl", env=REGIMES[regime], timeout=1200)[0]
-            report(f"throughput {regime}")
-    if "pipeline" in args.parts:
-        for regime in args.regimes.split(","):
-            print(f"pipeline throughput, regime {regime}", flush=True)
-            results["pipeline"][regime] = run_distributed(
-                _pipeline_worker, 2, args.steps, args.warmup, args.pipeline_micro_batches,
-                backend="nccl", env=REGIMES[regime], timeout=1200)[0]
-            report(f"pipeline {regime}")
+            print(f"{part}, regime {regime}", flush=True)
+            results[part][regime] = run_distributed(worker, 2, args.steps, args.warmup, micro_batches,
+                                                    backend="nccl", env=REGIMES[regime], timeout=1200)[0]
+            report(f"{part} {regime}")
     if "loss" in args.parts:
         print("loss study", flush=True)
         results["loss"] = run_distributed(_loss_worker, 2, args.loss_steps, args.eval_iters, args.loss_models,

@@ -108,8 +108,7 @@ def all_gather(
     world = _world(group)
     out = torch.empty((x.shape[0] * world, *x.shape[1:]), dtype=x.dtype, device=x.device)
     if not _compresses(x, group, codec, options):
-        work = dist.all_gather_into_tensor(out, x, group=group, async_op=True)
-        return _finish(lambda: (work.wait(), out)[1], async_op)
+        return _uncompressed(dist.all_gather_into_tensor, out, x, group, async_op)
 
     def send(start: int, end: int):
         message = codec.compress(x[start:end])
@@ -137,8 +136,7 @@ def reduce_scatter(
     rows = x.shape[0] // world
     out = torch.empty((rows, *x.shape[1:]), dtype=x.dtype, device=x.device)
     if not _compresses(x, group, codec, options):
-        work = dist.reduce_scatter_tensor(out, x, group=group, async_op=True)
-        return _finish(lambda: (work.wait(), out)[1], async_op)
+        return _uncompressed(dist.reduce_scatter_tensor, out, x, group, async_op)
 
     row_numel = x[0].numel()
     chunks = x.view(world, rows * row_numel)  # chunk r goes to rank r
@@ -207,6 +205,12 @@ def _pipelined(
         return out
 
     return _finish(finish, async_op)
+
+
+def _uncompressed(collective: Callable, out: torch.Tensor, x: torch.Tensor, group, async_op: bool):
+    """The plain torch.distributed ``collective(out, x)``, with the same sync/async contract."""
+    work = collective(out, x, group=group, async_op=True)
+    return _finish(lambda: (work.wait(), out)[1], async_op)
 
 
 def _finish(finish: Callable[[], torch.Tensor], async_op: bool):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from megatron_taco.config.taco import TacoConfigError
 
@@ -56,6 +56,10 @@ class MaplConfig:
                 f"--mapl-ratio: invalid value {self.ratio:g}; hidden size {hidden_size} / ratio must be a whole number >= 1"
             )
         return int(r)
+
+    def wire_ranks(self, hidden_size: int, pipeline_parallel: int, virtual_pipeline: Optional[int] = None) -> List[int]:
+        """r of every boundary in pipeline order, checked against the layout and the hidden size."""
+        return [self.wire_rank(hidden_size, b) for b in range(self.check_layout(pipeline_parallel, virtual_pipeline))]
 
     def check_layout(self, pipeline_parallel: int, virtual_pipeline: Optional[int] = None) -> int:
         """Validate against the pipeline layout; return the number of boundaries."""

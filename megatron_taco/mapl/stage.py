@@ -136,6 +136,9 @@ class MaplSync:
         self.stages = stages
         self.groups = _pair_groups()
         self.boundaries = [b for stage in stages for b in stage.boundaries()]
+        # under SP each TP rank sees other tokens: U's gradient and the VQ statistics are summed over TP
+        self.sequence_parallel = (parallel_state.get_tensor_model_parallel_world_size() > 1
+                                  and stages[0].config.sequence_parallel)
         self._check_pairs_agree()
         self.trainable = [b for b in self.boundaries if b.trainable]
         self.optimizer = StiefelMomentumSGD([b.projection for b in self.trainable], lr=lr, momentum=momentum) \
@@ -171,7 +174,6 @@ class MaplSync:
         """Sum U and anchor gradients over TP (U only; anchors via SP tagging), DP and the boundary pair."""
         tp_group = parallel_state.get_tensor_model_parallel_group()
         dp_group = parallel_state.get_data_parallel_group()
-        sp = parallel_state.get_tensor_model_parallel_world_size() > 1 and self.stages[0].config.sequence_parallel
         for boundary in self.boundaries:
             pair = self.groups[boundary.boundary]
             if boundary.trainable:
@@ -179,7 +181,7 @@ class MaplSync:
                 # autograd may leave a transposed (non-contiguous) gradient; collectives need contiguous
                 grad = torch.zeros_like(boundary.projection) if grad is None else grad.contiguous()
                 boundary.projection.grad = grad
-                if sp:
+                if self.sequence_parallel:
                     dist.all_reduce(grad, group=tp_group)
                 dist.all_reduce(grad, group=dp_group)
                 grad /= parallel_state.get_data_parallel_world_size()  # DP-averaged, like the other gradients
@@ -204,9 +206,8 @@ class MaplSync:
         Returns the code words this rank sent or received. Boundaries go in ascending order on every
         rank, so the pair broadcasts of neighbouring boundaries cannot deadlock.
         """
-        sp = parallel_state.get_tensor_model_parallel_world_size() > 1 and self.stages[0].config.sequence_parallel
         reduce_groups = (parallel_state.get_data_parallel_group(),
-                         parallel_state.get_tensor_model_parallel_group() if sp else None)
+                         parallel_state.get_tensor_model_parallel_group() if self.sequence_parallel else None)
         rows = 0
         for boundary in sorted(self.boundaries, key=lambda b: b.boundary):
             if boundary.vq is None:

@@ -76,47 +76,25 @@ def _run(kind: str, x: torch.Tensor, group, codec: Optional[TacoCodec], cfg: Lin
     return getattr(comm, kind)(x, group, codec, options)
 
 
-class _GatherFromSequenceParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, cfg: LinearCompression):
-        ctx.group, ctx.cfg = group, cfg
-        return _run("all_gather", x, group, cfg.fwd_codec, cfg, "fwd")
+class _TensorParallelComm(torch.autograd.Function):
+    """Collective ``forward_kind`` on the way forward, ``backward_kind`` on the gradient (None: identity).
+
+    The four pairs the linears use: (all_gather, reduce_scatter) and (reduce_scatter, all_gather) with SP,
+    (None, all_reduce) and (all_reduce, None) without.
+    """
 
     @staticmethod
-    def backward(ctx, grad):
-        return _run("reduce_scatter", grad, ctx.group, ctx.cfg.bwd_codec, ctx.cfg, "bwd"), None, None
-
-
-class _ReduceScatterToSequenceParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, cfg: LinearCompression):
-        ctx.group, ctx.cfg = group, cfg
-        return _run("reduce_scatter", x, group, cfg.fwd_codec, cfg, "fwd")
+    def forward(ctx, x, group, cfg: LinearCompression, forward_kind: Optional[str], backward_kind: Optional[str]):
+        ctx.group, ctx.cfg, ctx.backward_kind = group, cfg, backward_kind
+        if forward_kind is None:
+            return x.view_as(x)
+        return _run(forward_kind, x, group, cfg.fwd_codec, cfg, "fwd")
 
     @staticmethod
     def backward(ctx, grad):
-        return _run("all_gather", grad, ctx.group, ctx.cfg.bwd_codec, ctx.cfg, "bwd"), None, None
-
-
-class _CopyToTensorParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, cfg: LinearCompression):
-        ctx.group, ctx.cfg = group, cfg
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _run("all_reduce", grad, ctx.group, ctx.cfg.bwd_codec, ctx.cfg, "bwd"), None, None
-
-
-class _ReduceFromTensorParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, cfg: LinearCompression):
-        return _run("all_reduce", x, group, cfg.fwd_codec, cfg, "fwd")
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None, None
+        if ctx.backward_kind is not None:
+            grad = _run(ctx.backward_kind, grad, ctx.group, ctx.cfg.bwd_codec, ctx.cfg, "bwd")
+        return grad, None, None, None, None
 
 
 class TacoColumnParallelLinear(ColumnParallelLinear):
@@ -140,10 +118,8 @@ class TacoColumnParallelLinear(ColumnParallelLinear):
         fwd_bytes, bwd_bytes = (nbytes, nbytes * world) if sp else (0, nbytes)
         if not cfg.compresses_any(self.tp_group, input.device, fwd_bytes, bwd_bytes):
             return self._stock_forward_impl(input=input, **kwargs)
-        if sp:
-            input = _GatherFromSequenceParallel.apply(input, self.tp_group, cfg)
-        else:
-            input = _CopyToTensorParallel.apply(input, self.tp_group, cfg)
+        kinds = ("all_gather", "reduce_scatter") if sp else (None, "all_reduce")
+        input = _TensorParallelComm.apply(input, self.tp_group, cfg, *kinds)
         kwargs.update(sequence_parallel=False, allreduce_dgrad=False)
         return self._stock_forward_impl(input=input, **kwargs)
 
@@ -180,6 +156,5 @@ class TacoRowParallelLinear(RowParallelLinear):
         if not cfg.compresses_any(self.tp_group, output.device, fwd_bytes, bwd_bytes):
             return output
         self.explicit_expert_comm = True
-        if self.sequence_parallel:
-            return _ReduceScatterToSequenceParallel.apply(output, self.tp_group, cfg)
-        return _ReduceFromTensorParallel.apply(output, self.tp_group, cfg)
+        kinds = ("reduce_scatter", "all_gather") if self.sequence_parallel else ("all_reduce", None)
+        return _TensorParallelComm.apply(output, self.tp_group, cfg, *kinds)

@@ -209,9 +209,8 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
         _log(f"TACO {args.taco.default.mode} on this rank's layers {layers}; "
              f"min-bytes {'auto' if args.taco.min_bytes is None else args.taco.min_bytes}")
     if args.mapl is not None:
-        boundaries = args.mapl.check_layout(cfg.pipeline_parallel, cfg.virtual_pipeline)
-        widths = [args.mapl.wire_rank(cfg.shape.hidden_size, b) for b in range(boundaries)]
-        _log(f"MAPL: {boundaries} boundaries, hidden {cfg.shape.hidden_size} -> {widths} "
+        widths = cfg.mapl_widths
+        _log(f"MAPL: {len(widths)} boundaries, hidden {cfg.shape.hidden_size} -> {widths} "
              f"({', '.join(f'{cfg.shape.hidden_size / r:g}x' for r in widths)}), anchor rank {args.mapl.anchor_rank}"
              + (", fixed projection" if args.mapl.fixed_projection else "")
              + (f", residual VQ {args.mapl.vq_levels} x {args.mapl.vq_codes} codes "

@@ -83,8 +83,12 @@ class TrainConfig:
                 raise ValueError(f"the interleaved schedule needs micro-batches ({self.num_microbatches}) divisible by "
                                  f"--pipeline-model-parallel-size {self.pipeline_parallel}")
         if self.mapl is not None:
-            for boundary in range(self.mapl.check_layout(self.pipeline_parallel, self.virtual_pipeline)):
-                self.mapl.wire_rank(self.shape.hidden_size, boundary)
+            self.mapl_widths  # validates the MAPL settings against the layout
+
+    @property
+    def mapl_widths(self) -> List[int]:
+        """MAPL's wire width r of every pipeline boundary, in pipeline order."""
+        return self.mapl.wire_ranks(self.shape.hidden_size, self.pipeline_parallel, self.virtual_pipeline)
 
 
 def init_distributed() -> None:
@@ -185,9 +189,7 @@ class Trainer:
         self.schedule_comm: Dict[str, Any] = {}  # megatron-core's own P2P unless MAPL VQ needs the index wire
         if cfg.mapl is not None:
             self.mapl_sync = MaplSync(self._mapl_stages, lr=cfg.mapl.lr, momentum=cfg.mapl.momentum)
-            widths = [cfg.mapl.wire_rank(cfg.shape.hidden_size, b)
-                      for b in range(cfg.mapl.check_layout(cfg.pipeline_parallel, cfg.virtual_pipeline))]
-            self.schedule_models = [ScheduleView(m, max(widths), variable_shapes=not cfg.mapl.uniform)
+            self.schedule_models = [ScheduleView(m, max(cfg.mapl_widths), variable_shapes=not cfg.mapl.uniform)
                                     for m in self.models]
             if cfg.mapl.vq_levels:
                 self.schedule_comm = dict(
@@ -211,12 +213,13 @@ class Trainer:
         last = pp * (cfg.virtual_pipeline or 1) - 1
 
         def boundary(index: int) -> BoundaryCodec:
+            rank = cfg.mapl_widths[index]
             return BoundaryCodec(
-                hidden_size=cfg.shape.hidden_size, rank=mapl.wire_rank(cfg.shape.hidden_size, index),
+                hidden_size=cfg.shape.hidden_size, rank=rank,
                 vocab_size=cfg.shape.padded_vocab_size(cfg.tensor_parallel), anchor_rank=mapl.anchor_rank,
                 seed=cfg.seed, boundary=index, trainable=not mapl.fixed_projection,
                 sequence_parallel=cfg.sequence_parallel,
-                vq=ResidualVQ(mapl.wire_rank(cfg.shape.hidden_size, index), mapl.vq_levels, mapl.vq_codes,
+                vq=ResidualVQ(rank, mapl.vq_levels, mapl.vq_codes,
                               mapl.vq_decay, mapl.vq_sync_rows, mapl.vq_sync_tolerance,
                               seed=cfg.seed * 7919 + index) if mapl.vq_levels else None,
             ).to(self.device)
