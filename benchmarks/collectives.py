@@ -33,14 +33,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from megatron_taco import comm  # noqa: E402
 from megatron_taco.codec import TacoCodec  # noqa: E402
 from megatron_taco.comm.policy import FAST_LINK_GBPS, NEVER, auto_options  # noqa: E402
-from megatron_taco.testing.distributed import run_distributed  # noqa: E402
+from megatron_taco.testing.distributed import LINK_REGIMES, run_distributed  # noqa: E402
 
 MIB = 1 << 20
-REGIMES = {
-    "nvlink": {},
-    "shm": {"NCCL_P2P_DISABLE": "1"},
-    "socket": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"},
-}
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
 
 
@@ -128,7 +123,7 @@ def main() -> None:
         print(f"regime {regime} ...", flush=True)
         rows, sweep, auto = run_distributed(
             _regime_worker, 2, sizes, chunks, args.iters_small, args.iters_large,
-            backend="nccl", env=REGIMES[regime], timeout=900,
+            backend="nccl", env=LINK_REGIMES[regime], timeout=900,
         )[0]
         results[regime] = {"rows": rows, "sweep": sweep, "auto": auto}
         for r in rows:

@@ -14,10 +14,14 @@ transfers on slow links (one layer per stage), uncompressed vs MAPL 4x, 8x and
 8x + residual VQ.
 
 Loss: small GPT and Qwen models on real text (the Python standard library's
-sources, byte-level; validation on held-out files), same seed, data and
+sources, byte-level; validation on held-out files), same seeds, data and
 steps: uncompressed (TP=2 + SP) vs TACO fp8-ash vs TACO fp8 (no Hadamard), and
-MAPL 8x (with and without VQ) at PP=2. The report is rewritten after every
-part, so a run cut short keeps what it measured.
+MAPL 8x (with and without VQ) at PP=2, for several seeds. These small models
+leave the GPUs mostly idle, so the loss runs go as concurrent process pairs
+(``--loss-parallel``); each run is deterministic, so sharing the GPUs changes
+no number. The report is rewritten after every part (and every loss run), so a
+run cut short keeps what it measured; the defaults fit in one 10-minute call on
+2 x H200.
 """
 
 from __future__ import annotations
@@ -37,16 +41,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from megatron_taco.config.mapl import MaplConfig  # noqa: E402
 from megatron_taco.config.taco import LinearSettings, TacoConfig  # noqa: E402
-from megatron_taco.testing.distributed import run_distributed  # noqa: E402
+from megatron_taco.testing.distributed import LINK_REGIMES, run_distributed  # noqa: E402
 from megatron_taco.training.data import byte_text_batches, stdlib_text_files, synthetic_batches  # noqa: E402
 from megatron_taco.training.loop import TrainConfig, Trainer  # noqa: E402
 from megatron_taco.training.model import ModelShape  # noqa: E402
 
-REGIMES = {
-    "nvlink": {},
-    "shm": {"NCCL_P2P_DISABLE": "1"},
-    "socket": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"},
-}
 THROUGHPUT_MODELS = {
     "GPT (4L, h4096, ffn16384, seq2048)": ModelShape(
         num_layers=4, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=16384, vocab_size=32000,
@@ -73,19 +72,21 @@ LOSS_VARIANTS = {  # name: (TACO, MAPL); TACO runs at TP=2 + SP, MAPL at PP=2
     "baseline": (None, None),
     "TACO fp8-ash": (TacoConfig(default=LinearSettings(mode="fp8-ash"), min_bytes=0), None),
     "TACO fp8 (no Hadamard)": (TacoConfig(default=LinearSettings(mode="fp8"), min_bytes=0), None),
-    "MAPL 8x (PP=2)": (None, MaplConfig(ratio=8, anchor_rank=16)),
-    "MAPL 8x + VQ 2 x 255 (PP=2)": (None, MaplConfig(ratio=8, vq_levels=2, vq_codes=255, anchor_rank=16)),
+    "MAPL 8x (PP=2)": (None, MaplConfig(ratio=8)),
+    "MAPL 8x + VQ 2 x 255 (PP=2)": (None, MaplConfig(ratio=8, vq_levels=2, vq_codes=255)),
 }
 
 
 def _gpu_time_split(trainer: Trainer, data) -> dict:
-    """GPU kernel time of one step by category (ms): TACO codec kernels, NCCL, everything else."""
+    """GPU kernel time of one step by category (ms): TACO codec kernels, NCCL, everything else; and the
+    host operators with the most own CPU time (to see whether the step waits for the host)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         trainer.train_step(data)
         torch.cuda.synchronize()
-    split = {"codec": 0.0, "nccl": 0.0, "other": 0.0}
+    split = {"codec": 0.0, "nccl": 0.0, "other": 0.0,
+             "host_ops": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)}
     for event in prof.key_averages():
         us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
         name = event.key
@@ -110,10 +111,13 @@ def _median_step_s(trainer: Trainer, data, steps: int, warmup: int) -> float:
     return statistics.median(times[warmup:])
 
 
-def _throughput_worker(steps: int, warmup: int, micro_batches: int):
+def _throughput_worker(steps: int, warmup: int, micro_batches: int, forced: bool):
     results = []
+    # the baseline again at the end (A-B-A): the first model trained in a process may run at another speed
+    variants = [("baseline", None), ("TACO auto", TACO_AUTO)] + ([("TACO forced", TACO_FORCED)] if forced else []) + [
+        ("baseline, again after TACO", None)]
     for model_name, shape in THROUGHPUT_MODELS.items():
-        for variant, taco in (("baseline", None), ("TACO auto", TACO_AUTO), ("TACO forced", TACO_FORCED)):
+        for variant, taco in variants:
             cfg = TrainConfig(shape, tensor_parallel=2, sequence_parallel=True, micro_batch_size=1,
                               num_microbatches=micro_batches, dtype="bf16", lr=1e-4, taco=taco)
             trainer = Trainer(cfg)
@@ -133,9 +137,8 @@ def _pipeline_worker(steps: int, warmup: int, micro_batches: int):
     """PP=2 throughput of the wide-shallow GPT: uncompressed vs MAPL 4x, 8x and 8x + VQ."""
     results = []
     model_name, shape = PIPELINE_MODEL
-    for variant, mapl in (("baseline", None), ("MAPL 4x", MaplConfig(ratio=4, anchor_rank=16)),
-                          ("MAPL 8x", MaplConfig(ratio=8, anchor_rank=16)),
-                          ("MAPL 8x + VQ 2 x 255", MaplConfig(ratio=8, vq_levels=2, vq_codes=255, anchor_rank=16))):
+    for variant, mapl in (("baseline", None), ("MAPL 4x", MaplConfig(ratio=4)), ("MAPL 8x", MaplConfig(ratio=8)),
+                          ("MAPL 8x + VQ 2 x 255", MaplConfig(ratio=8, vq_levels=2, vq_codes=255))):
         cfg = TrainConfig(shape, pipeline_parallel=2, micro_batch_size=PIPELINE_MICRO_BATCH,
                           num_microbatches=micro_batches, dtype="bf16", lr=1e-4, mapl=mapl)
         trainer = Trainer(cfg)
@@ -150,68 +153,96 @@ def _pipeline_worker(steps: int, warmup: int, micro_batches: int):
     return results
 
 
-def _loss_worker(steps: int, eval_iters: int, models: str):
+def _loss_worker(model_name: str, variant: str, seed: int, steps: int, eval_iters: int) -> dict:
+    """One loss run: ``steps`` training steps on real text, then the validation loss."""
+    shape = LOSS_MODELS[model_name]
+    taco, mapl = LOSS_VARIANTS[variant]
     train_files, valid_files = stdlib_text_files()
-    curves = {}
-    for model_name, shape in LOSS_MODELS.items():
-        if models != "all" and not model_name.lower().startswith(models):
-            continue
-        for variant, (taco, mapl) in LOSS_VARIANTS.items():
-            layout = dict(pipeline_parallel=2) if mapl else dict(tensor_parallel=2, sequence_parallel=True)
-            cfg = TrainConfig(shape, **layout, micro_batch_size=8, num_microbatches=1, dtype="bf16", lr=1e-3,
-                              seed=1234, taco=taco, mapl=mapl)
-            trainer = Trainer(cfg)
-            train = byte_text_batches(train_files, shape.seq_length, 8, seed=1)
-            losses = [trainer.train_step(train)["loss"] for _ in range(steps)]
-            valid = trainer.evaluate(byte_text_batches(valid_files, shape.seq_length, 8, seed=2), eval_iters)
-            trainer.close()
-            curves[f"{model_name} | {variant}"] = dict(train=losses, valid=valid)
-            if dist.get_rank() == 0:
-                print(f"  {model_name} {variant}: final train {losses[-1]:.4f} valid {valid:.4f}", flush=True)
-    return curves
+    layout = dict(pipeline_parallel=2) if mapl else dict(tensor_parallel=2, sequence_parallel=True)
+    cfg = TrainConfig(shape, **layout, micro_batch_size=8, num_microbatches=1, dtype="bf16", lr=1e-3,
+                      seed=1234 + seed, taco=taco, mapl=mapl)
+    trainer = Trainer(cfg)
+    train = byte_text_batches(train_files, shape.seq_length, 8, seed=1 + seed)
+    losses = [trainer.train_step(train)["loss"] for _ in range(steps)]
+    valid = trainer.evaluate(byte_text_batches(valid_files, shape.seq_length, 8, seed=2), eval_iters)
+    trainer.close()
+    return dict(train=losses, valid=valid)
+
+
+def _loss_study(args, report) -> None:
+    """Every (model, variant, seed) run as its own process pair, ``args.loss_parallel`` at a time."""
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    runs = [(model, variant, seed) for model in LOSS_MODELS
+            if args.loss_models == "all" or model.lower().startswith(args.loss_models)
+            for variant in LOSS_VARIANTS for seed in range(args.loss_seeds)]
+    with ThreadPoolExecutor(max_workers=args.loss_parallel) as pool:
+        futures = {pool.submit(run_distributed, _loss_worker, 2, *run, args.loss_steps, args.eval_iters,
+                               backend="nccl", timeout=1200): run for run in runs}
+        for future in as_completed(futures):
+            model, variant, seed = futures[future]
+            curve = future.result()[0]
+            results_key = f"{model} | {variant} | seed {seed}"
+            args.results["loss"][results_key] = curve
+            print(f"  {results_key}: final train {curve['train'][-1]:.4f} valid {curve['valid']:.4f}", flush=True)
+            report("loss")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", default="benchmarks/results")
     parser.add_argument("--regimes", default="nvlink,shm,socket")
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--pipeline-micro-batches", type=int, default=8)
-    parser.add_argument("--loss-steps", type=int, default=300)
+    parser.add_argument("--forced", action="store_true", help="also time TACO with every message compressed")
+    parser.add_argument("--loss-steps", type=int, default=200)
+    parser.add_argument("--loss-seeds", type=int, default=2)
+    parser.add_argument("--loss-parallel", type=int, default=10, help="loss runs (process pairs) at a time")
     parser.add_argument("--eval-iters", type=int, default=20)
-    parser.add_argument("--parts", default="throughput,pipeline,loss")
+    parser.add_argument("--parts", default="pipeline,throughput,loss")
     parser.add_argument("--loss-models", default="all", help="all, gpt or qwen")
     args = parser.parse_args()
-    os.environ["TACO_TEST_START_METHOD"] = "spawn"
+    os.environ.setdefault("TACO_TEST_START_METHOD", "spawn")
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    results = {"throughput": {}, "pipeline": {}, "loss": {}, "seconds": {}}
+    results = args.results = {"throughput": {}, "pipeline": {}, "loss": {}, "seconds": {}}
     os.makedirs(args.out_dir, exist_ok=True)
     started = time.perf_counter()
 
     def report(part: str) -> None:
         """Rewrite the report with what is measured so far; wall seconds per part (for sizing the defaults)."""
+        results["seconds"].pop(part, None)
         results["seconds"][part] = round(time.perf_counter() - started - sum(results["seconds"].values()), 1)
         with open(os.path.join(args.out_dir, "e2e.json"), "w") as f:
             json.dump(results, f, indent=1)
         _plot(results, args.out_dir)
         _write(args, results)
 
-    for part, worker, micro_batches in (("throughput", _throughput_worker, args.micro_batches),
-                                        ("pipeline", _pipeline_worker, args.pipeline_micro_batches)):
-        if part not in args.parts:
+    workers = {"throughput": (_throughput_worker, (args.micro_batches, args.forced)),
+               "pipeline": (_pipeline_worker, (args.pipeline_micro_batches,))}
+    for part in args.parts.split(","):
+        if part == "loss":
+            print("loss study", flush=True)
+            _loss_study(args, report)
             continue
+        worker, worker_args = workers[part]
         for regime in args.regimes.split(","):
             print(f"{part}, regime {regime}", flush=True)
-            results[part][regime] = run_distributed(worker, 2, args.steps, args.warmup, micro_batches,
-                                                    backend="nccl", env=REGIMES[regime], timeout=1200)[0]
+            results[part][regime] = run_distributed(worker, 2, args.steps, args.warmup, *worker_args,
+                                                    backend="nccl", env=LINK_REGIMES[regime], timeout=1200)[0]
             report(f"{part} {regime}")
-    if "loss" in args.parts:
-        print("loss study", flush=True)
-        results["loss"] = run_distributed(_loss_worker, 2, args.loss_steps, args.eval_iters, args.loss_models,
-                                          backend="nccl", timeout=1200)[0]
-        report("loss")
+
+
+def _loss_runs(results) -> dict:
+    """{model: {variant: {seed: curve}}} from the flat "model | variant | seed N" keys."""
+    runs: dict = {}
+    order = list(LOSS_VARIANTS)
+    for key, curve in sorted(results["loss"].items(), key=lambda kv: (kv[0].split(" | ")[0],
+                                                                      order.index(kv[0].split(" | ")[1]), kv[0])):
+        model, variant, seed = key.split(" | ")
+        runs.setdefault(model, {}).setdefault(variant, {})[int(seed.split()[1])] = curve
+    return runs
 
 
 def _plot(results, out_dir) -> None:
@@ -220,21 +251,21 @@ def _plot(results, out_dir) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if results["loss"]:
-        models = sorted({k.split(" | ")[0] for k in results["loss"]})
-        fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4))
-        for ax, model in zip(axes if len(models) > 1 else [axes], models):
-            for key, curve in results["loss"].items():
-                if key.startswith(model):
-                    train = curve["train"]
-                    smooth = [sum(train[max(0, i - 9): i + 1]) / len(train[max(0, i - 9): i + 1]) for i in range(len(train))]
-                    ax.plot(smooth, label=key.split(" | ")[1])
+    runs = _loss_runs(results)
+    if runs:
+        fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4), squeeze=False)
+        for ax, (model, variants) in zip(axes[0], sorted(runs.items())):
+            for variant, seeds in variants.items():
+                train = [statistics.mean(values) for values in zip(*(c["train"] for c in seeds.values()))]
+                smooth = [statistics.mean(train[max(0, i - 9): i + 1]) for i in range(len(train))]
+                ax.plot(smooth, label=f"{variant} ({len(seeds)} seeds)")
             ax.set_title(model)
             ax.set_xlabel("step")
-            ax.set_ylabel("train loss (10-step mean)")
+            ax.set_ylabel("train loss (10-step mean, mean over seeds)")
             ax.legend()
         fig.tight_layout()
         fig.savefig(os.path.join(out_dir, "e2e_loss.png"), dpi=110)
+        plt.close(fig)
 
 
 def _write(args, results) -> None:
@@ -246,8 +277,9 @@ def _write(args, results) -> None:
         "",
         f"- Command: `python benchmarks/e2e.py --out-dir {args.out_dir} --regimes {args.regimes} --steps {args.steps} "
         f"--warmup {args.warmup} --micro-batches {args.micro_batches} --pipeline-micro-batches "
-        f"{args.pipeline_micro_batches} --loss-steps {args.loss_steps} --parts {args.parts} "
-        f"--loss-models {args.loss_models}`",
+        f"{args.pipeline_micro_batches}{' --forced' if args.forced else ''} --loss-steps {args.loss_steps} "
+        f"--loss-seeds {args.loss_seeds} --loss-parallel {args.loss_parallel} --eval-iters {args.eval_iters} "
+        f"--parts {args.parts} --loss-models {args.loss_models}`",
         f"- Date: {datetime.date.today().isoformat()}; 2 x {props.name}; torch {torch.__version__}, "
         f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, triton {triton.__version__}",
         "- Trainer: `megatron_taco.training` (megatron-core GPTModel, local spec, DDP, Adam, bf16 with fp32 main params).",
@@ -276,6 +308,11 @@ def _write(args, results) -> None:
                     f"{split.get('nccl', 0):.1f} | {split.get('other', 0):.1f} |"
                 )
         lines.append("")
+        regime, rows = next(iter(results["throughput"].items()))
+        for r in rows:
+            if r["variant"] == "baseline":
+                lines += [f"Host operators of the profiled baseline step ({regime}, {r['model']}), by own CPU time:",
+                          "", "```", r["split"]["host_ops"].strip(), "```", ""]
     if results["pipeline"]:
         lines += [
             f"## Throughput: PP=2 (1F1B), bf16, micro-batch {PIPELINE_MICRO_BATCH} x "
@@ -294,24 +331,34 @@ def _write(args, results) -> None:
                 lines.append(f"| {regime} | {r['model']} | {r['variant']} | {r['step_s'] * 1e3:.1f} | "
                              f"{r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base:.2f}x |")
         lines.append("")
-    if results["loss"]:
+    runs = _loss_runs(results)
+    if runs:
         lines += [
             f"## Loss on real text: bf16, {args.loss_steps} steps of 8 x 512 byte-level tokens "
             f"(Python stdlib sources), validation on held-out files ({args.eval_iters} batches); baseline and TACO "
             "at TP=2 + SP, MAPL at PP=2 (the same model and initialisation: the trainer's init does not depend on "
-            "the layout)",
+            "the layout); seed s changes the initialisation and the training data order",
             "",
             "![loss curves](e2e_loss.png)",
             "",
-            "| model | variant | final train loss (mean of last 20 steps) | validation loss | vs baseline (validation) |",
-            "|---|---|---|---|---|",
+            "*vs baseline*: the validation loss against the baseline run of the same seed, per seed, then their "
+            "mean and sample standard deviation.",
+            "",
+            "| model | variant | seeds | final train loss (last 20 steps, mean over seeds) | validation loss (mean) "
+            "| vs baseline per seed | vs baseline mean +- std |",
+            "|---|---|---|---|---|---|---|",
         ]
-        for key, curve in results["loss"].items():
-            model, variant = key.split(" | ")
-            base = results["loss"].get(f"{model} | baseline", curve)["valid"]
-            tail = curve["train"][-20:]
-            lines.append(f"| {model} | {variant} | {sum(tail) / len(tail):.4f} | {curve['valid']:.4f} | "
-                         f"{100 * (curve['valid'] / base - 1):+.2f}% |")
+        for model, variants in runs.items():
+            base = variants.get("baseline", {})
+            for variant, seeds in variants.items():
+                order = sorted(seeds)
+                tail = statistics.mean(statistics.mean(seeds[k]["train"][-20:]) for k in order)
+                valid = statistics.mean(seeds[k]["valid"] for k in order)
+                diffs = [100 * (seeds[k]["valid"] / base[k]["valid"] - 1) for k in order if k in base]
+                spread = f"{statistics.mean(diffs):+.2f}% +- {statistics.stdev(diffs):.2f}" if len(diffs) > 1 else (
+                    f"{diffs[0]:+.2f}%" if diffs else "-")
+                lines.append(f"| {model} | {variant} | {len(order)} | {tail:.4f} | {valid:.4f} | "
+                             f"{', '.join(f'{d:+.2f}%' for d in diffs)} | {spread} |")
         lines.append("")
     with open(os.path.join(args.out_dir, "e2e.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

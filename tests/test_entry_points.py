@@ -113,3 +113,23 @@ def test_run_script_launches_the_config(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 2/2 | loss" in proc.stdout
     assert "taco total" not in proc.stdout or "x)" in proc.stdout
+
+
+@pytest.mark.parametrize("vocab,seq,batch,seed", [(256, 128, 2, 3), (8192, 2048, 4, 7), (17, 1, 3, 0), (5, 64, 8, 2)])
+def test_synthetic_batches_follow_the_markov_chain_definition(vocab, seq, batch, seed):
+    """The vectorised generator against the chain's definition, position by position, from the same draws."""
+    import itertools
+
+    from megatron_taco.training.data import synthetic_batches
+
+    gen = torch.Generator().manual_seed(seed * 1000003)
+    successor = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))
+    for got in itertools.islice(synthetic_batches(vocab, seq, batch, seed), 3):
+        tokens = [torch.randint(0, vocab, (batch,), generator=gen)]
+        noise = torch.rand(batch, seq, generator=gen) < 0.1
+        random_tokens = torch.randint(0, vocab, (batch, seq), generator=gen)
+        for i in range(seq):
+            tokens.append(torch.where(noise[:, i], random_tokens[:, i], successor[tokens[-1]]))
+        expected = torch.stack(tokens, dim=1)
+        assert torch.equal(got["tokens"], expected[:, :-1]) and torch.equal(got["labels"], expected[:, 1:])
+        assert torch.equal(got["position_ids"], torch.arange(seq).expand(batch, -1))

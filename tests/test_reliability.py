@@ -19,21 +19,40 @@ from megatron_taco.training.loop import TrainConfig, Trainer
 TACO = TacoConfig(default=LinearSettings(mode="fp8-ash"), min_bytes=0)
 
 
-def _losses(taco, mapl, tp, pp, sp, steps=5):
-    cfg = TrainConfig(TINY_GPT, tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp, taco=taco, mapl=mapl)
+def _losses(taco, mapl, tp, pp, sp, steps=5, dtype="fp32"):
+    """Per-step losses and grad norms (from the last stage), and a checksum of this rank's final weights."""
+    cfg = TrainConfig(TINY_GPT, tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp, taco=taco, mapl=mapl,
+                      dtype=dtype)
     trainer = Trainer(cfg)
     data = synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, cfg.micro_batch_size, seed=3)
-    losses = [trainer.train_step(data)["loss"] for _ in range(steps)]
+    history = [(stats["loss"], stats["grad_norm"]) for stats in (trainer.train_step(data) for _ in range(steps))]
+    weights = [p.detach().double().sum().item() for p in trainer.model.parameters()]
     trainer.close()
-    return losses
+    return history, weights
 
 
-@pytest.mark.parametrize("taco,mapl,tp,pp,sp", [(TACO, None, 2, 1, True), (None, MaplConfig(ratio=4), 1, 2, False)],
-                         ids=["taco-tp2-sp", "mapl-pp2"])
+DETERMINISM_CASES = [(TACO, None, 2, 1, True), (None, MaplConfig(ratio=4), 1, 2, False),
+                     (None, MaplConfig(ratio=4, vq_levels=2, vq_codes=32), 1, 2, False)]
+DETERMINISM_IDS = ["taco-tp2-sp", "mapl-pp2", "mapl-vq-pp2"]
+
+
+@pytest.mark.parametrize("taco,mapl,tp,pp,sp", DETERMINISM_CASES, ids=DETERMINISM_IDS)
 def test_same_seed_gives_bit_identical_losses(taco, mapl, tp, pp, sp):
-    first = run_distributed(_losses, 2, taco, mapl, tp, pp, sp, timeout=120)[0]
-    second = run_distributed(_losses, 2, taco, mapl, tp, pp, sp, timeout=120)[0]
+    first = run_distributed(_losses, 2, taco, mapl, tp, pp, sp, timeout=120)
+    second = run_distributed(_losses, 2, taco, mapl, tp, pp, sp, timeout=120)
     assert first == second
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+                    reason="needs 2 CUDA GPUs (NCCL): the GPU half of the determinism check")
+@pytest.mark.parametrize("taco,mapl,tp,pp,sp", DETERMINISM_CASES, ids=DETERMINISM_IDS)
+def test_same_seed_gives_bit_identical_gpu_trainings(taco, mapl, tp, pp, sp, monkeypatch):
+    """bf16 on 2 GPUs over NCCL, 20 steps: losses, grad norms and every rank's weights equal bit for bit."""
+    monkeypatch.setenv("TACO_TEST_START_METHOD", "spawn")  # CUDA cannot be used in forked children
+    runs = [run_distributed(_losses, 2, taco, mapl, tp, pp, sp, 20, "bf16", backend="nccl", timeout=300)
+            for _ in range(2)]
+    assert runs[0] == runs[1]
+    assert all(torch.isfinite(torch.tensor(loss)) for loss, _ in runs[0][-1][0])
 
 
 def _nan_in_activation(taco):

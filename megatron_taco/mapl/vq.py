@@ -110,9 +110,14 @@ class ResidualVQ(torch.nn.Module):
             distance = book.square().sum(1) - 2 * residual @ book.transpose(0, 1)
             index = distance.argmin(1)
             if record:
-                self.step_count[level].index_add_(0, index, weight)
-                self.step_sum[level].index_add_(0, index, residual * weight.unsqueeze(1))
-                self.step_square[level].index_add_(0, index, residual.square().sum(1) * weight)
+                # per-code sums of [1, e, |e|^2] as a one-hot matmul: a fixed summation order, so GPU runs
+                # are bit-reproducible (index_add_ sums with atomics on CUDA, in a different order each run)
+                values = torch.cat([weight.unsqueeze(1), residual * weight.unsqueeze(1),
+                                    (residual.square().sum(1) * weight).unsqueeze(1)], dim=1)
+                sums = torch.nn.functional.one_hot(index, self.codes).to(values.dtype).transpose(0, 1) @ values
+                self.step_count[level] += sums[:, 0]
+                self.step_sum[level] += sums[:, 1:-1]
+                self.step_square[level] += sums[:, -1]
             residual = residual - book[index]
             chosen.append(torch.where(finite, index, self.codes))
         indices = torch.stack(chosen, dim=-1).reshape(*z.shape[:-1], self.levels)

@@ -19,6 +19,13 @@ from typing import Any, Callable, Dict, List, Optional
 
 _GRACE_AFTER_FAILURE_S = 10.0
 
+# The link regimes of DESIGN.md section 5: NCCL environment for a process pair on one 2-GPU host.
+LINK_REGIMES: Dict[str, Dict[str, str]] = {
+    "nvlink": {},  # default transports
+    "shm": {"NCCL_P2P_DISABLE": "1"},  # host shared memory, PCIe-class
+    "socket": {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1", "NCCL_SOCKET_IFNAME": "lo"},  # TCP, Ethernet-class
+}
+
 
 class DistributedTestError(RuntimeError):
     """Raised in the parent when a rank failed or the run timed out."""

@@ -156,7 +156,11 @@ def _global_name(model: GPTModel, name: str) -> str:
 
 @torch.no_grad()
 def init_layout_invariant_(model: GPTModel, config: TransformerConfig, seed: int) -> None:
-    """Initialise every parameter from its global name, then take this rank's TP shard."""
+    """Initialise every parameter from its global name, then take this rank's TP shard.
+
+    The values depend on the device type the parameters live on (CPU and CUDA generators differ),
+    not on the layout: every TP x PP layout on the same kind of device starts from the same model.
+    """
     tp = parallel_state.get_tensor_model_parallel_world_size()
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     out_std = config.init_method_std / (2.0 * config.num_layers) ** 0.5
@@ -170,14 +174,15 @@ def init_layout_invariant_(model: GPTModel, config: TransformerConfig, seed: int
         full_shape = list(param.shape)
         if sharded:
             full_shape[dim] *= tp
+        device = param.device  # drawn where the parameter lives: on a GPU, seconds of CPU sampling saved per model
         if name.endswith("bias"):
-            full = torch.zeros(full_shape)
+            full = torch.zeros(full_shape, device=device)
         elif "layernorm" in name or "final_layernorm" in name:
-            full = torch.ones(full_shape)
+            full = torch.ones(full_shape, device=device)
         else:
-            gen = torch.Generator().manual_seed(seed ^ zlib.crc32(global_name.encode()))
+            gen = torch.Generator(device=device).manual_seed(seed ^ zlib.crc32(global_name.encode()))
             std = out_std if global_name.endswith(_OUTPUT_PROJECTIONS) else config.init_method_std
-            full = torch.empty(full_shape).normal_(0.0, std, generator=gen)
+            full = torch.empty(full_shape, device=device).normal_(0.0, std, generator=gen)
         if sharded:
             gated_fc1 = config.gated_linear_unit and ".linear_fc1." in name
             stride = 2 if gated_fc1 else getattr(param, "partition_stride", 1)
