@@ -203,11 +203,16 @@ def main() -> None:
     parser.add_argument("--eval-iters", type=int, default=20)
     parser.add_argument("--parts", default="pipeline,throughput,loss")
     parser.add_argument("--loss-models", default="all", help="all, gpt or qwen")
+    parser.add_argument("--plot-only", metavar="E2E_JSON", help="redraw the plots of a finished run into --out-dir")
     args = parser.parse_args()
+    os.makedirs(args.out_dir, exist_ok=True)
+    if args.plot_only:
+        with open(args.plot_only) as f:
+            _plot(json.load(f), args.out_dir)
+        return
     os.environ.setdefault("TACO_TEST_START_METHOD", "spawn")
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     results = args.results = {"throughput": {}, "pipeline": {}, "loss": {}, "seconds": {}}
-    os.makedirs(args.out_dir, exist_ok=True)
     started = time.perf_counter()
 
     def report(part: str) -> None:
@@ -251,6 +256,31 @@ def _plot(results, out_dir) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    parts = [part for part in ("throughput", "pipeline") if results[part]]
+    if parts:  # tokens/s of every variant over the baseline of its process pair, per regime
+        fig, axes = plt.subplots(1, len(parts), figsize=(7 * len(parts), 4), squeeze=False)
+        for ax, part in zip(axes[0], parts):
+            regimes = list(results[part])
+            series: dict = {}
+            for regime in regimes:
+                rows = results[part][regime]
+                base = {r["model"]: r["tokens_per_s"] for r in rows if r["variant"] == "baseline"}
+                for r in rows:
+                    if r["variant"] != "baseline":
+                        label = f"{r['model'].split(' (')[0]} {r['variant']}"
+                        series.setdefault(label, {})[regime] = r["tokens_per_s"] / base[r["model"]]
+            width = 0.8 / max(1, len(series))
+            for i, (label, ratios) in enumerate(series.items()):
+                ax.bar([k + i * width for k in range(len(regimes))], [ratios.get(reg, 0.0) for reg in regimes],
+                       width, label=label)
+            ax.axhline(1.0, color="black", linewidth=0.8)
+            ax.set_xticks([k + 0.4 - width / 2 for k in range(len(regimes))], regimes)
+            ax.set_ylabel("tokens/s vs baseline")
+            ax.set_title("TP=2 + SP, TACO" if part == "throughput" else "PP=2, MAPL")
+            ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(os.path.join(out_dir, "e2e_throughput.png"), dpi=110)
+        plt.close(fig)
     runs = _loss_runs(results)
     if runs:
         fig, axes = plt.subplots(1, len(runs), figsize=(6 * len(runs), 4), squeeze=False)
