@@ -18,8 +18,9 @@ sources, byte-level; validation on held-out files), same seeds, data and
 steps: uncompressed (TP=2 + SP) vs TACO fp8-ash vs TACO fp8 (no Hadamard), and
 MAPL 8x (with and without VQ) at PP=2, for several seeds. These small models
 leave the GPUs mostly idle, so the loss runs go as concurrent process pairs
-(``--loss-parallel``); each run is deterministic, so sharing the GPUs changes
-no number. The report is rewritten after every part (and every loss run), so a
+(``--loss-parallel``): sharing the GPUs changes how fast the runs go, not what
+they compute (up to a rare late divergence between invocations that e2e.md
+reports for uncompressed runs too). The report is rewritten after every part (and every loss run), so a
 run cut short keeps what it measured; the defaults fit in one 10-minute call on
 2 x H200.
 """

@@ -14,6 +14,7 @@ import argparse
 import datetime
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -27,66 +28,91 @@ from megatron_taco.training.model import ModelShape  # noqa: E402
 
 MODEL = ModelShape(num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512, vocab_size=256,
                    seq_length=128)
-VARIANTS = {
+VARIANTS = {  # rows measured before position anchors existed keep them off (the default is now auto)
     "uncompressed": None,
-    "MAPL 8x": MaplConfig(ratio=8, anchor_rank=16),
-    "MAPL 8x, manifold lr 0.1": MaplConfig(ratio=8, lr=0.1, anchor_rank=16),
-    "MAPL 8x, anchor rank 64": MaplConfig(ratio=8, anchor_rank=64),
+    "MAPL 8x": MaplConfig(ratio=8, anchor_rank=16, position_anchors=False),
+    "MAPL 8x, manifold lr 0.1": MaplConfig(ratio=8, lr=0.1, anchor_rank=16, position_anchors=False),
+    "MAPL 8x, anchor rank 64": MaplConfig(ratio=8, anchor_rank=64, position_anchors=False),
     "fixed projection 8x (SSN-style)": MaplConfig(ratio=8, fixed_projection=True, anchor_rank=0),
+    "MAPL 8x, anchor rank 128 (= hidden)": MaplConfig(ratio=8, anchor_rank=128, position_anchors=False),
+    "MAPL 8x, anchor rank 64, manifold lr 0.1": MaplConfig(ratio=8, anchor_rank=64, lr=0.1, position_anchors=False),
+    "MAPL 16x, anchor rank 64": MaplConfig(ratio=16, anchor_rank=64, position_anchors=False),
+    "MAPL 8x, anchor rank 64, position anchors": MaplConfig(ratio=8, anchor_rank=64, position_anchors=True),
+    "MAPL 8x, anchor rank 64, manifold lr 0.1, position anchors": MaplConfig(ratio=8, anchor_rank=64, lr=0.1,
+                                                                             position_anchors=True),
 }
 WINDOW = 50  # steps averaged for each point of the gap table
 
 
-def _worker(names, steps: int):
+def _worker(names, steps: int, seeds: int):
+    """{variant: {seed: curve}}; seed s changes the initialisation and the order of the training data."""
     train_files, valid_files = stdlib_text_files()
     results = {}
     for name in names:
-        cfg = TrainConfig(MODEL, pipeline_parallel=2, micro_batch_size=8, num_microbatches=2, lr=2e-3, seed=1234,
-                          mapl=VARIANTS[name])
-        trainer = Trainer(cfg)
-        train = byte_text_batches(train_files, MODEL.seq_length, 8, seed=1)
-        start = time.time()
-        losses = [trainer.train_step(train)["loss"] for _ in range(steps)]
-        valid = trainer.evaluate(byte_text_batches(valid_files, MODEL.seq_length, 8, seed=2), 10)
-        trainer.close()
-        results[name] = dict(train=losses, valid=valid, seconds=time.time() - start)
+        for seed in range(seeds):
+            cfg = TrainConfig(MODEL, pipeline_parallel=2, micro_batch_size=8, num_microbatches=2, lr=2e-3,
+                              seed=1234 + seed, mapl=VARIANTS[name])
+            trainer = Trainer(cfg)
+            train = byte_text_batches(train_files, MODEL.seq_length, 8, seed=1 + seed)
+            start = time.time()
+            losses = [trainer.train_step(train)["loss"] for _ in range(steps)]
+            valid = trainer.evaluate(byte_text_batches(valid_files, MODEL.seq_length, 8, seed=2), 10)
+            trainer.close()
+            results.setdefault(name, {})[seed] = dict(train=losses, valid=valid, seconds=time.time() - start)
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/mapl_cpu_study.md")
+    parser.add_argument("--variants", default=";".join(VARIANTS),
+                        help="names from VARIANTS separated by ';' (uncompressed is always run: the reference)")
     args = parser.parse_args()
-    results = run_distributed(_worker, 2, list(VARIANTS), args.steps, timeout=24 * 3600)[0]
+    names = ["uncompressed"] + [n for n in args.variants.split(";") if n != "uncompressed"]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    results = run_distributed(_worker, 2, names, args.steps, args.seeds, timeout=24 * 3600)[0]
     with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
         json.dump(results, f)
     points = [p for p in (100, 200, 300, 500, 700, 1000, 2000) if p <= args.steps]
 
-    def window(curve, end):
-        return sum(curve[end - WINDOW:end]) / WINDOW
+    def gap(name, seed, end):
+        """Train-loss gap to the same seed's uncompressed run, mean of the WINDOW steps before ``end``."""
+        mine, base = results[name][seed]["train"], results["uncompressed"][seed]["train"]
+        return sum(mine[end - WINDOW:end]) / sum(base[end - WINDOW:end]) - 1
 
-    base = results["uncompressed"]
     lines = [
         "# MAPL quality on CPU: the loss gap over training (small GPT, PP=2)",
         "",
-        f"- Command: `python benchmarks/mapl_cpu_study.py --steps {args.steps} --out {args.out}`",
+        f"- Command: `python benchmarks/mapl_cpu_study.py --steps {args.steps} --seeds {args.seeds} --out {args.out} "
+        f"--variants '{';'.join(names[1:])}'`",
         f"- Date: {datetime.date.today().isoformat()}; CPU, 2 gloo ranks, fp32; torch "
         f"{__import__('torch').__version__}, megatron-core {__import__('megatron.core').core.__version__}",
         f"- Model: GPT {MODEL.num_layers} layers, hidden {MODEL.hidden_size}, FFN {MODEL.ffn_hidden_size}, seq "
         f"{MODEL.seq_length}, byte-level vocab; PP=2 (one boundary); Adam lr 2e-3; 2 micro-batches of 8 per step; "
         "MAPL anchor rank 16, manifold lr 0.01 and momentum 0.9 unless the row says otherwise. Data: Python stdlib "
-        "sources; validation on held-out files (10 batches). One seed.",
+        f"sources; validation on held-out files (10 batches). Seeds: {args.seeds} (seed s changes the "
+        "initialisation and the order of the training data; every gap is against the same seed's uncompressed run).",
         "",
-        f"Train-loss gap to uncompressed, mean of the {WINDOW} steps before each point, and final validation loss:",
+        f"Train-loss gap to uncompressed (mean of the {WINDOW} steps before each point, mean over seeds) and final "
+        "validation loss:",
         "",
-        "| variant | " + " | ".join(f"step {p}" for p in points) + " | validation loss | vs uncompressed | seconds |",
-        "|---|" + "---|" * (len(points) + 3),
+        "| variant | " + " | ".join(f"step {p}" for p in points) + " | validation loss (mean) | vs uncompressed per seed "
+        "| vs uncompressed mean +- std | seconds per run |",
+        "|---|" + "---|" * (len(points) + 4),
     ]
-    for name, res in results.items():
-        gaps = " | ".join(f"{100 * (window(res['train'], p) / window(base['train'], p) - 1):+.1f}%" for p in points)
-        lines.append(f"| {name} | {gaps} | {res['valid']:.4f} | {100 * (res['valid'] / base['valid'] - 1):+.1f}% | "
-                     f"{res['seconds']:.0f} |")
+    for name, runs in results.items():
+        seeds = sorted(runs)
+        gaps = " | ".join(f"{100 * statistics.mean(gap(name, k, p) for k in seeds):+.1f}%" for p in points)
+        valid = [100 * (runs[k]["valid"] / results["uncompressed"][k]["valid"] - 1) for k in seeds]
+        spread = (f"{statistics.mean(valid):+.1f}% +- {statistics.stdev(valid):.1f}" if len(valid) > 1
+                  else f"{valid[0]:+.1f}%")
+        lines.append(f"| {name} | {gaps} | {statistics.mean(runs[k]['valid'] for k in seeds):.4f} | "
+                     f"{', '.join(f'{v:+.1f}%' for v in valid)} | {spread} | "
+                     f"{statistics.mean(runs[k]['seconds'] for k in seeds):.0f} |")
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

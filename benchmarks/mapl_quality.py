@@ -32,18 +32,21 @@ from megatron_taco.training.model import ModelShape  # noqa: E402
 
 MODEL = ModelShape(num_layers=8, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048, vocab_size=256,
                    seq_length=512)
-VARIANTS = {
+VARIANTS = {  # rows measured before position anchors existed keep them off (the default is now auto)
     "uncompressed": None,
-    "MAPL 2x": MaplConfig(ratio=2, anchor_rank=16),
-    "MAPL 4x": MaplConfig(ratio=4, anchor_rank=16),
-    "MAPL 8x": MaplConfig(ratio=8, anchor_rank=16),
-    "MAPL 16x": MaplConfig(ratio=16, anchor_rank=16),
+    "MAPL 2x": MaplConfig(ratio=2, anchor_rank=16, position_anchors=False),
+    "MAPL 4x": MaplConfig(ratio=4, anchor_rank=16, position_anchors=False),
+    "MAPL 8x": MaplConfig(ratio=8, anchor_rank=16, position_anchors=False),
+    "MAPL 16x": MaplConfig(ratio=16, anchor_rank=16, position_anchors=False),
     "fixed projection 8x (SSN-style)": MaplConfig(ratio=8, fixed_projection=True, anchor_rank=0),
-    "MAPL 8x + VQ (2 x 255 codes)": MaplConfig(ratio=8, vq_levels=2, vq_codes=255, anchor_rank=16),
-    "MAPL 8x, manifold lr 0.001": MaplConfig(ratio=8, lr=0.001, anchor_rank=16),
-    "MAPL 8x, manifold lr 0.1": MaplConfig(ratio=8, lr=0.1, anchor_rank=16),
-    "MAPL 8x, anchor rank 64": MaplConfig(ratio=8, anchor_rank=64),
-    "MAPL 16x, anchor rank 64": MaplConfig(ratio=16, anchor_rank=64),
+    "MAPL 8x + VQ (2 x 255 codes)": MaplConfig(ratio=8, vq_levels=2, vq_codes=255, anchor_rank=16,
+                                               position_anchors=False),
+    "MAPL 8x, manifold lr 0.001": MaplConfig(ratio=8, lr=0.001, anchor_rank=16, position_anchors=False),
+    "MAPL 8x, manifold lr 0.1": MaplConfig(ratio=8, lr=0.1, anchor_rank=16, position_anchors=False),
+    "MAPL 8x, anchor rank 64": MaplConfig(ratio=8, anchor_rank=64, position_anchors=False),
+    "MAPL 16x, anchor rank 64": MaplConfig(ratio=16, anchor_rank=64, position_anchors=False),
+    "MAPL 8x, anchor rank 64, position anchors": MaplConfig(ratio=8, anchor_rank=64, position_anchors=True),
+    "MAPL 16x, anchor rank 64, position anchors": MaplConfig(ratio=16, anchor_rank=64, position_anchors=True),
 }
 
 

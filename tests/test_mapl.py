@@ -1,6 +1,7 @@
 """MAPL: Stiefel optimisation, r-wide pipeline traffic, replica consistency, flags (real gloo ranks)."""
 
 import argparse
+import dataclasses
 import pytest
 import torch
 
@@ -55,11 +56,13 @@ def _train(mapl, steps, tp=1, pp=2, sp=False, count_p2p=False):
     shapes = [(kind, shape) for kind, _, shape in recorded] if count_p2p else []
     projections = {b.boundary: b.projection.detach().clone() for b in trainer.mapl_boundaries}
     anchors = {b.boundary: b.anchor_basis.detach().clone() for b in trainer.mapl_boundaries if b.anchor_rank}
+    position_anchors = {b.boundary: b.anchor_position.detach().clone() for b in trainer.mapl_boundaries if b.positions}
     in_optimizer = any(
         p is b.projection for b in trainer.mapl_boundaries for g in trainer.optimizer.param_groups for p in g["params"]
     )
     trainer.close()
-    return dict(losses=losses, projections=projections, anchors=anchors, shapes=shapes, in_optimizer=in_optimizer)
+    return dict(losses=losses, projections=projections, anchors=anchors, position_anchors=position_anchors,
+                shapes=shapes, in_optimizer=in_optimizer)
 
 
 def test_wire_carries_r_wide_tensors_forward_and_backward():
@@ -104,6 +107,40 @@ def test_four_rank_layouts_train_with_identical_replicas(tp, pp, sp):
         assert {stage_of(r) for r in holders} == {boundary, boundary + 1}
         for r in holders[1:]:
             assert torch.equal(results[r]["projections"][boundary], results[holders[0]]["projections"][boundary])
+
+
+def test_position_anchors_are_exact_and_depend_on_the_position():
+    """h = a(t, p) + z U^T goes through project / reconstruct unchanged; the same token at two positions
+    gets two anchors (fp32, bound 1e-5 relative to |h|)."""
+    codec = BoundaryCodec(hidden_size=64, rank=8, vocab_size=50, anchor_rank=16, seed=3, boundary=0, positions=32)
+    with torch.no_grad():
+        codec.anchor_position.normal_(0, 1.0)  # far from the small initial values, so positions matter
+    gen = torch.Generator().manual_seed(5)
+    tokens = torch.randint(0, 50, (32, 2), generator=gen)
+    positions = torch.arange(32).unsqueeze(1).expand(32, 2)
+    z = torch.randn(32, 2, 8, generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        anchors = (codec.anchor_embedding[tokens].double() + codec.anchor_position[positions].double()) \
+            @ codec.anchor_basis.double()
+        hidden = anchors + z @ codec.projection.double().T
+        rebuilt = codec.reconstruct(codec.project(hidden.float(), tokens, positions), tokens, torch.float32, positions)
+        assert float((rebuilt.double() - hidden).norm() / hidden.norm()) <= 1e-5
+        same_token = torch.full((32, 2), 7)
+        moved = codec.reconstruct(torch.zeros(32, 2, 8), same_token, torch.float32, positions)
+        assert not torch.allclose(moved[0], moved[1])
+    without = BoundaryCodec(hidden_size=64, rank=8, vocab_size=50, anchor_rank=0, seed=3, boundary=0, positions=32)
+    assert without.positions == 0, "position anchors share the token anchors' basis: none without anchors"
+
+
+def test_position_anchors_train_identically_on_both_sides_under_sequence_parallelism():
+    mapl = MaplConfig(ratio=4, position_anchors=True)
+    results = run_distributed(_train, 4, mapl, 15, 2, 2, True, timeout=300)
+    assert results[0]["losses"][-1] < results[0]["losses"][0]
+    holders = [r for r in range(4) if 0 in results[r]["position_anchors"]]
+    assert len(holders) == 4  # both TP ranks of both stages hold boundary 0's position anchors
+    first = results[holders[0]]["position_anchors"][0]
+    assert first.shape == (TINY_GPT.seq_length, 64)
+    assert all(torch.equal(results[r]["position_anchors"][0], first) for r in holders[1:])
 
 
 def _train_interleaved(steps):
@@ -195,6 +232,7 @@ def _parse(argv):
         (["--mapl-ratio", "4", "--mapl-vq-levels", "2", "--mapl-vq-sync-rows", "-3"], "--mapl-vq-sync-rows"),
         (["--mapl-ratio", "4", "--mapl-vq-levels", "2", "--mapl-vq-sync-tolerance", "-1"],
          "--mapl-vq-sync-tolerance"),
+        (["--mapl-ratio", "4", "--mapl-position-anchors", "on", "--mapl-anchor-rank", "0"], "--mapl-position-anchors"),
     ],
 )
 def test_invalid_mapl_flags_name_the_flag(argv, flag):
@@ -205,6 +243,7 @@ def test_invalid_mapl_flags_name_the_flag(argv, flag):
 @pytest.mark.parametrize("argv,named", [
     (["--mapl-vq-levels", "2"], "--mapl-vq-levels"),
     (["--mapl-anchor-rank", "4", "--mapl-fixed-projection"], "--mapl-anchor-rank, --mapl-fixed-projection"),
+    (["--mapl-position-anchors", "off"], "--mapl-position-anchors"),
 ])
 def test_mapl_flags_without_a_rank_are_rejected(argv, named):
     with pytest.raises(MaplConfigError, match=f"{named} given without --mapl-ratio"):
@@ -224,3 +263,11 @@ def test_invalid_mapl_combinations_with_the_model_are_rejected():
     with pytest.raises(MaplConfigError, match="--mapl-ranks: invalid value 99 for boundary 1"):
         TrainConfig(TINY_GPT, pipeline_parallel=4, mapl=MaplConfig(ranks=(8, 99, 8)))
     assert _parse(["--mapl-ranks", "32,16,8"]).ranks == (32, 16, 8)
+    rope = dataclasses.replace(TINY_GPT, position_embedding="rope")
+    with pytest.raises(MaplConfigError, match="--mapl-position-anchors on: the model's position embedding is 'rope'"):
+        TrainConfig(rope, pipeline_parallel=2, mapl=MaplConfig(ratio=4, position_anchors=True))
+    assert not TrainConfig(rope, pipeline_parallel=2, mapl=MaplConfig(ratio=4)).mapl_position_anchors  # auto
+    assert TrainConfig(TINY_GPT, pipeline_parallel=2, mapl=MaplConfig(ratio=4)).mapl_position_anchors  # auto
+    assert not TrainConfig(TINY_GPT, pipeline_parallel=2, mapl=MaplConfig(ratio=4, anchor_rank=0)).mapl_position_anchors
+    assert _parse(["--mapl-ratio", "4", "--mapl-position-anchors", "on"]).position_anchors is True
+    assert _parse(["--mapl-ratio", "4", "--mapl-position-anchors", "off"]).position_anchors is False

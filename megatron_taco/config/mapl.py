@@ -23,6 +23,9 @@ class MaplConfig:
     ratio: Optional[float] = None
     ranks: Optional[Tuple[int, ...]] = None
     anchor_rank: int = 64  # 64 beat 16 at 8x on GPU (+2.3% vs +3.6%) and CPU (benchmarks/results/mapl_quality.md)
+    # also anchor the positions: None = wherever the model has learned absolute positions (3 of 3 seeds better
+    # at 8x on CPU, benchmarks/results/mapl_cpu_study_seeds.md); True = required; False = off
+    position_anchors: Optional[bool] = None
     lr: float = 0.01
     momentum: float = 0.9
     fixed_projection: bool = False
@@ -82,6 +85,9 @@ def add_mapl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--mapl-ranks", default=None,
                        help="one wire width per boundary, in pipeline order, e.g. '64,32,64' (PP=4)")
     group.add_argument("--mapl-anchor-rank", type=int, default=64, help="rank k of the token anchors E[t] B (0: none)")
+    group.add_argument("--mapl-position-anchors", choices=("auto", "on", "off"), default="auto",
+                       help="also anchor the positions, a(t, p) = (E[t] + P[p]) B, so that learned absolute position "
+                            "embeddings need no wire width; auto: on for such models, off for RoPE models")
     group.add_argument("--mapl-lr", type=float, default=0.01, help="learning rate of the manifold optimizer")
     group.add_argument("--mapl-momentum", type=float, default=0.9, help="momentum of the manifold optimizer")
     group.add_argument("--mapl-fixed-projection", action="store_true",
@@ -108,6 +114,7 @@ def mapl_config_from_args(args: argparse.Namespace) -> Optional[MaplConfig]:
                    ("anchor_rank", "lr", "momentum", "vq_levels", "vq_codes", "vq_decay", "vq_sync_rows",
                     "vq_sync_tolerance") if getattr(args, f"mapl_{name}") != getattr(defaults, name)]
         orphans += ["--mapl-fixed-projection"] if args.mapl_fixed_projection else []
+        orphans += ["--mapl-position-anchors"] if args.mapl_position_anchors != "auto" else []
         if orphans:
             raise MaplConfigError(f"{', '.join(orphans)} given without --mapl-ratio, --mapl-rank or --mapl-ranks "
                                   "(MAPL is off)")
@@ -128,6 +135,9 @@ def mapl_config_from_args(args: argparse.Namespace) -> Optional[MaplConfig]:
         raise MaplConfigError(f"--mapl-rank: invalid value {args.mapl_rank}; must be >= 1")
     if args.mapl_anchor_rank < 0:
         raise MaplConfigError(f"--mapl-anchor-rank: invalid value {args.mapl_anchor_rank}; must be >= 0")
+    if args.mapl_position_anchors == "on" and (args.mapl_anchor_rank == 0 or args.mapl_fixed_projection):
+        raise MaplConfigError("--mapl-position-anchors on needs token anchors (--mapl-anchor-rank > 0, no "
+                              "--mapl-fixed-projection): the position table shares their basis")
     if args.mapl_lr <= 0:
         raise MaplConfigError(f"--mapl-lr: invalid value {args.mapl_lr:g}; must be > 0")
     if not 0 <= args.mapl_momentum < 1:
@@ -146,6 +156,7 @@ def mapl_config_from_args(args: argparse.Namespace) -> Optional[MaplConfig]:
     return MaplConfig(
         rank=args.mapl_rank, ratio=args.mapl_ratio, ranks=ranks,
         anchor_rank=0 if args.mapl_fixed_projection else args.mapl_anchor_rank,
+        position_anchors={"auto": None, "on": True, "off": False}[args.mapl_position_anchors],
         lr=args.mapl_lr, momentum=args.mapl_momentum, fixed_projection=args.mapl_fixed_projection,
         vq_levels=args.mapl_vq_levels, vq_codes=args.mapl_vq_codes, vq_decay=args.mapl_vq_decay,
         vq_sync_rows=args.mapl_vq_sync_rows, vq_sync_tolerance=args.mapl_vq_sync_tolerance,

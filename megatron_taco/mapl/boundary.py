@@ -3,6 +3,8 @@
     sender:    z     = (h - a(t)) U          [s, b, d] -> [s, b, r]
     receiver:  h_hat = z U^T + a(t)          [s, b, r] -> [s, b, d]
     anchors:   a(t)  = E[t] B,  E in R^{V x k},  B in R^{k x d}
+               (+ P[p] B for models with learned absolute positions: the receiver knows the
+               positions p too, so position information need not take up wire width)
 
 Both stages of the boundary hold a replica of this module (same seed, same
 initial values). U is a float32 buffer: it is not seen by the regular
@@ -40,10 +42,12 @@ class BoundaryCodec(torch.nn.Module):
         trainable: bool = True,
         sequence_parallel: bool = False,
         vq: Optional[ResidualVQ] = None,
+        positions: int = 0,
     ) -> None:
         super().__init__()
         self.boundary = boundary
         self.hidden_size, self.rank, self.anchor_rank = hidden_size, rank, anchor_rank
+        self.positions = positions if anchor_rank > 0 else 0  # position anchors share the anchors' basis
         self.trainable = trainable
         gen = torch.Generator().manual_seed(seed * 7919 + boundary)
         projection = random_stiefel(hidden_size, rank, gen)
@@ -51,7 +55,11 @@ class BoundaryCodec(torch.nn.Module):
         if anchor_rank > 0:
             self.anchor_embedding = torch.nn.Parameter(torch.randn(vocab_size, anchor_rank, generator=gen) * 0.02)
             self.anchor_basis = torch.nn.Parameter(torch.randn(anchor_rank, hidden_size, generator=gen) * 0.02)
-            for param in (self.anchor_embedding, self.anchor_basis):
+            anchors = [self.anchor_embedding, self.anchor_basis]
+            if self.positions:
+                self.anchor_position = torch.nn.Parameter(torch.randn(positions, anchor_rank, generator=gen) * 0.02)
+                anchors.append(self.anchor_position)
+            for param in anchors:
                 # with SP each TP rank sees other tokens: finalize_model_grads all-reduces these over TP
                 param.sequence_parallel = sequence_parallel
                 param.mapl_anchor = True
@@ -70,15 +78,19 @@ class BoundaryCodec(torch.nn.Module):
             owner._buffers[name.rpartition(".")[2]] = kept.requires_grad_(old.requires_grad)
         return self
 
-    def _anchors(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:
-        """a(t) for tokens [s, b] as fp32 [s, b, d], or None without anchors."""
+    def _anchors(self, tokens: torch.Tensor, positions: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """a(t, p) for tokens and positions [s, b] as fp32 [s, b, d], or None without anchors."""
         if self.anchor_rank == 0:
             return None
-        return (self.anchor_embedding[tokens].float() @ self.anchor_basis.float())
+        coefficients = self.anchor_embedding[tokens].float()
+        if self.positions:
+            coefficients = coefficients + self.anchor_position[positions].float()
+        return coefficients @ self.anchor_basis.float()
 
-    def project(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    def project(self, hidden: torch.Tensor, tokens: torch.Tensor,
+                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[s, b, d] -> [s, b, r] (in the hidden states' dtype; math in fp32)."""
-        anchors = self._anchors(tokens)
+        anchors = self._anchors(tokens, positions)
         centred = hidden.float() if anchors is None else hidden.float() - anchors
         return (centred @ self.projection).to(hidden.dtype)
 
@@ -94,8 +106,9 @@ class BoundaryCodec(torch.nn.Module):
         indices = unpack_indices(carrier.mapl_indices, self.vq.levels, self.vq.codes)
         return carrier.float() + self.vq.decode(indices)
 
-    def reconstruct(self, z: torch.Tensor, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def reconstruct(self, z: torch.Tensor, tokens: torch.Tensor, dtype: torch.dtype,
+                    positions: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[s, b, r] -> [s, b, d]."""
         hidden = z.float() @ self.projection.transpose(0, 1)
-        anchors = self._anchors(tokens)
+        anchors = self._anchors(tokens, positions)
         return (hidden if anchors is None else hidden + anchors).to(dtype)

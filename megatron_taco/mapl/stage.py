@@ -45,9 +45,9 @@ class MaplStage(torch.nn.Module):
         else:
             self._received = tensor
 
-    def _local_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token ids in the layout of the boundary tensors: [s(/tp with SP), b]."""
-        tokens = input_ids.transpose(0, 1)
+    def _local(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token or position ids [b, s] in the layout of the boundary tensors: [s(/tp with SP), b]."""
+        tokens = ids.transpose(0, 1)
         if self.config.sequence_parallel:
             tp = parallel_state.get_tensor_model_parallel_world_size()
             rank = parallel_state.get_tensor_model_parallel_rank()
@@ -55,14 +55,17 @@ class MaplStage(torch.nn.Module):
         return tokens
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: Any, **kwargs: Any):
-        tokens = self._local_tokens(input_ids) if (self.recv is not None or self.send is not None) else None
+        tokens = positions = None
+        if self.recv is not None or self.send is not None:
+            tokens, positions = self._local(input_ids), self._local(position_ids)
         dtype = self.config.pipeline_dtype
         if self.recv is not None:
             received = self.recv.dequantize(self._received) if self.recv.vq is not None else self._received
-            self.module.set_input_tensor(self.recv.reconstruct(received, tokens, dtype or self._received.dtype))
+            self.module.set_input_tensor(
+                self.recv.reconstruct(received, tokens, dtype or self._received.dtype, positions))
         output = self.module(input_ids, position_ids, attention_mask, **kwargs)
         if self.send is not None:
-            output = self.send.project(output, tokens)
+            output = self.send.project(output, tokens, positions)
             if self.send.vq is not None:
                 output = self.send.quantize(output, dtype or output.dtype)
         return output
@@ -155,7 +158,8 @@ class MaplSync:
         for boundary in self.boundaries:
             vq = boundary.vq
             sending = any(stage.send is boundary for stage in self.stages)
-            mine = torch.tensor([boundary.hidden_size, boundary.rank, boundary.anchor_rank, int(boundary.trainable),
+            mine = torch.tensor([boundary.hidden_size, boundary.rank, boundary.anchor_rank, boundary.positions,
+                                 int(boundary.trainable),
                                  vq.levels if vq else 0, vq.codes if vq else 0, dist.get_rank() if sending else -1],
                                 dtype=torch.int64, device=boundary.projection.device)
             group = self.groups[boundary.boundary]
@@ -163,8 +167,8 @@ class MaplSync:
             dist.all_gather(both, mine, group=group)
             if not torch.equal(both[0][:-1], both[1][:-1]):
                 describe = lambda t: f"rank {int(t[1])} of {int(t[0])}, anchor rank {int(t[2])}, " \
-                    f"{'learned' if t[3] else 'fixed'} projection, " \
-                    f"VQ {f'{int(t[4])} levels x {int(t[5])} codes' if t[4] else 'off'}"  # noqa: E731
+                    f"position anchors {int(t[3]) or 'off'}, {'learned' if t[4] else 'fixed'} projection, " \
+                    f"VQ {f'{int(t[5])} levels x {int(t[6])} codes' if t[5] else 'off'}"  # noqa: E731
                 ranks = dist.get_process_group_ranks(group)
                 raise RuntimeError(
                     f"MAPL settings differ across pipeline boundary {boundary.boundary}: global rank {ranks[0]} "

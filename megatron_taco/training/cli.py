@@ -212,6 +212,7 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
         widths = cfg.mapl_widths
         _log(f"MAPL: {len(widths)} boundaries, hidden {cfg.shape.hidden_size} -> {widths} "
              f"({', '.join(f'{cfg.shape.hidden_size / r:g}x' for r in widths)}), anchor rank {args.mapl.anchor_rank}"
+             + (", position anchors" if cfg.mapl_position_anchors else "")
              + (", fixed projection" if args.mapl.fixed_projection else "")
              + (f", residual VQ {args.mapl.vq_levels} x {args.mapl.vq_codes} codes "
                 f"({args.mapl.vq_levels * index_bytes(args.mapl.vq_codes)} bytes/token forward)"

@@ -29,7 +29,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_taco.megatron.cpu_runtime import cpu_config_overrides, enable_cpu_runtime
-from megatron_taco.config.mapl import MaplConfig
+from megatron_taco.config.mapl import MaplConfig, MaplConfigError
 from megatron_taco.config.taco import TacoConfig
 from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stage import MaplStage, MaplSync, ScheduleView
@@ -84,6 +84,16 @@ class TrainConfig:
                                  f"--pipeline-model-parallel-size {self.pipeline_parallel}")
         if self.mapl is not None:
             self.mapl_widths  # validates the MAPL settings against the layout
+            if self.mapl.position_anchors and self.shape.position_embedding != "learned_absolute":
+                raise MaplConfigError(f"--mapl-position-anchors on: the model's position embedding is "
+                                      f"{self.shape.position_embedding!r}; position anchors stand in for a learned "
+                                      "absolute position table in the residual stream")
+
+    @property
+    def mapl_position_anchors(self) -> bool:
+        """Whether MAPL's anchors include positions (auto: where the model has learned absolute positions)."""
+        learned = self.shape.position_embedding == "learned_absolute"
+        return self.mapl.position_anchors is not False and learned and self.mapl.anchor_rank > 0
 
     @property
     def mapl_widths(self) -> List[int]:
@@ -219,6 +229,7 @@ class Trainer:
                 vocab_size=cfg.shape.padded_vocab_size(cfg.tensor_parallel), anchor_rank=mapl.anchor_rank,
                 seed=cfg.seed, boundary=index, trainable=not mapl.fixed_projection,
                 sequence_parallel=cfg.sequence_parallel,
+                positions=cfg.shape.seq_length if cfg.mapl_position_anchors else 0,
                 vq=ResidualVQ(rank, mapl.vq_levels, mapl.vq_codes,
                               mapl.vq_decay, mapl.vq_sync_rows, mapl.vq_sync_tolerance,
                               seed=cfg.seed * 7919 + index) if mapl.vq_levels else None,
