@@ -40,6 +40,8 @@ VARIANTS = {  # rows measured before position anchors existed keep them off (the
     "MAPL 8x, anchor rank 64, position anchors": MaplConfig(ratio=8, anchor_rank=64, position_anchors=True),
     "MAPL 8x, anchor rank 64, manifold lr 0.1, position anchors": MaplConfig(ratio=8, anchor_rank=64, lr=0.1,
                                                                              position_anchors=True),
+    "MAPL 8x, anchor rank 128, position anchors": MaplConfig(ratio=8, anchor_rank=128, position_anchors=True),
+    "MAPL 16x, anchor rank 64, position anchors": MaplConfig(ratio=16, anchor_rank=64, position_anchors=True),
 }
 WINDOW = 50  # steps averaged for each point of the gap table
 
