@@ -86,9 +86,10 @@ def _gpu_time_split(trainer: Trainer, data) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         trainer.train_step(data)
         torch.cuda.synchronize()
+    events = prof.key_averages()
     split = {"codec": 0.0, "nccl": 0.0, "other": 0.0,
-             "host_ops": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)}
-    for event in prof.key_averages():
+             "host_ops": events.table(sort_by="self_cpu_time_total", row_limit=12)}
+    for event in events:
         us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
         name = event.key
         if "compress_kernel" in name or "decompress_sum_kernel" in name:
@@ -112,46 +113,41 @@ def _median_step_s(trainer: Trainer, data, steps: int, warmup: int) -> float:
     return statistics.median(times[warmup:])
 
 
+def _timed_run(cfg: TrainConfig, model_name: str, variant: str, steps: int, warmup: int, profile: bool) -> dict:
+    """Train ``cfg`` on synthetic data: median step time, tokens/s and (``profile``) one step's time split."""
+    shape = cfg.shape
+    trainer = Trainer(cfg)
+    data = synthetic_batches(shape.vocab_size, shape.seq_length, cfg.micro_batch_size, seed=1)
+    step_s = _median_step_s(trainer, data, steps, warmup)
+    split = _gpu_time_split(trainer, data) if profile else {}
+    trainer.close()
+    tokens = shape.seq_length * cfg.micro_batch_size * cfg.num_microbatches
+    if dist.get_rank() == 0:
+        layout = "PP=2 " if cfg.pipeline_parallel > 1 else ""
+        print(f"  {layout}{model_name} {variant}: {step_s * 1e3:.1f} ms/step", flush=True)
+    torch.cuda.empty_cache()
+    return dict(model=model_name, variant=variant, step_s=step_s, tokens_per_s=tokens / step_s, split=split)
+
+
 def _throughput_worker(steps: int, warmup: int, micro_batches: int, forced: bool):
-    results = []
     # the baseline again at the end (A-B-A): the first model trained in a process may run at another speed
     variants = [("baseline", None), ("TACO auto", TACO_AUTO)] + ([("TACO forced", TACO_FORCED)] if forced else []) + [
         ("baseline, again after TACO", None)]
-    for model_name, shape in THROUGHPUT_MODELS.items():
-        for variant, taco in variants:
-            cfg = TrainConfig(shape, tensor_parallel=2, sequence_parallel=True, micro_batch_size=1,
-                              num_microbatches=micro_batches, dtype="bf16", lr=1e-4, taco=taco)
-            trainer = Trainer(cfg)
-            data = synthetic_batches(shape.vocab_size, shape.seq_length, 1, seed=1)
-            step_s = _median_step_s(trainer, data, steps, warmup)
-            split = _gpu_time_split(trainer, data)
-            trainer.close()
-            results.append(dict(model=model_name, variant=variant, step_s=step_s,
-                                tokens_per_s=shape.seq_length * micro_batches / step_s, split=split))
-            if dist.get_rank() == 0:
-                print(f"  {model_name} {variant}: {step_s * 1e3:.1f} ms/step", flush=True)
-            torch.cuda.empty_cache()
-    return results
+    return [_timed_run(TrainConfig(shape, tensor_parallel=2, sequence_parallel=True, micro_batch_size=1,
+                                   num_microbatches=micro_batches, dtype="bf16", lr=1e-4, taco=taco),
+                       model_name, variant, steps, warmup, profile=True)
+            for model_name, shape in THROUGHPUT_MODELS.items() for variant, taco in variants]
 
 
 def _pipeline_worker(steps: int, warmup: int, micro_batches: int):
     """PP=2 throughput of the wide-shallow GPT: uncompressed vs MAPL 4x, 8x and 8x + VQ."""
-    results = []
     model_name, shape = PIPELINE_MODEL
-    for variant, mapl in (("baseline", None), ("MAPL 4x", MaplConfig(ratio=4)), ("MAPL 8x", MaplConfig(ratio=8)),
-                          ("MAPL 8x + VQ 2 x 255", MaplConfig(ratio=8, vq_levels=2, vq_codes=255))):
-        cfg = TrainConfig(shape, pipeline_parallel=2, micro_batch_size=PIPELINE_MICRO_BATCH,
-                          num_microbatches=micro_batches, dtype="bf16", lr=1e-4, mapl=mapl)
-        trainer = Trainer(cfg)
-        data = synthetic_batches(shape.vocab_size, shape.seq_length, PIPELINE_MICRO_BATCH, seed=1)
-        step_s = _median_step_s(trainer, data, steps, warmup)
-        trainer.close()
-        results.append(dict(model=model_name, variant=variant, step_s=step_s,
-                            tokens_per_s=shape.seq_length * PIPELINE_MICRO_BATCH * micro_batches / step_s, split={}))
-        if dist.get_rank() == 0:
-            print(f"  PP=2 {model_name} {variant}: {step_s * 1e3:.1f} ms/step", flush=True)
-        torch.cuda.empty_cache()
-    return results
+    variants = (("baseline", None), ("MAPL 4x", MaplConfig(ratio=4)), ("MAPL 8x", MaplConfig(ratio=8)),
+                ("MAPL 8x + VQ 2 x 255", MaplConfig(ratio=8, vq_levels=2, vq_codes=255)))
+    return [_timed_run(TrainConfig(shape, pipeline_parallel=2, micro_batch_size=PIPELINE_MICRO_BATCH,
+                                   num_microbatches=micro_batches, dtype="bf16", lr=1e-4, mapl=mapl),
+                       model_name, variant, steps, warmup, profile=False)
+            for variant, mapl in variants]
 
 
 def _loss_worker(model_name: str, variant: str, seed: int, steps: int, eval_iters: int) -> dict:
@@ -170,7 +166,7 @@ def _loss_worker(model_name: str, variant: str, seed: int, steps: int, eval_iter
     return dict(train=losses, valid=valid)
 
 
-def _loss_study(args, report) -> None:
+def _loss_study(args, results: dict, report) -> None:
     """Every (model, variant, seed) run as its own process pair, ``args.loss_parallel`` at a time."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
@@ -184,7 +180,7 @@ def _loss_study(args, report) -> None:
             model, variant, seed = futures[future]
             curve = future.result()[0]
             results_key = f"{model} | {variant} | seed {seed}"
-            args.results["loss"][results_key] = curve
+            results["loss"][results_key] = curve
             print(f"  {results_key}: final train {curve['train'][-1]:.4f} valid {curve['valid']:.4f}", flush=True)
             report("loss")
 
@@ -211,9 +207,9 @@ def main() -> None:
         with open(args.plot_only) as f:
             _plot(json.load(f), args.out_dir)
         return
-    os.environ.setdefault("TACO_TEST_START_METHOD", "spawn")
+    os.environ["TACO_TEST_START_METHOD"] = "spawn"
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    results = args.results = {"throughput": {}, "pipeline": {}, "loss": {}, "seconds": {}}
+    results = {"throughput": {}, "pipeline": {}, "loss": {}, "seconds": {}}
     started = time.perf_counter()
 
     def report(part: str) -> None:
@@ -230,7 +226,7 @@ def main() -> None:
     for part in args.parts.split(","):
         if part == "loss":
             print("loss study", flush=True)
-            _loss_study(args, report)
+            _loss_study(args, results, report)
             continue
         worker, worker_args = workers[part]
         for regime in args.regimes.split(","):

@@ -178,3 +178,17 @@ def test_vq_settings_that_disagree_fail_on_both_sides():
 def test_vq_needs_one_width_for_every_boundary():
     with pytest.raises(MaplConfigError, match="--mapl-vq-levels 2 needs one wire width"):
         TrainConfig(TINY_GPT, pipeline_parallel=4, mapl=MaplConfig(ranks=(32, 16, 8), vq_levels=2))
+
+
+def test_statistics_summed_in_token_chunks_match_a_float64_reference(monkeypatch):
+    """The per-code sums behind the EMA, with the one-hot matmul split into many token chunks (as for a large
+    codebook), against float64 index_add_ sums; bound 1e-5 relative to each sum's scale."""
+    import megatron_taco.mapl.vq as vq_module
+
+    monkeypatch.setattr(vq_module, "_ONE_HOT_ELEMENTS", 32 * 7)  # 7 tokens per chunk at 32 codes
+    vq = _quantizer(dim=8, levels=1, codes=32)
+    index = torch.randint(0, 32, (100,), generator=torch.Generator().manual_seed(4))
+    values = DISTRIBUTIONS["student_t3"]((100, 10), torch.Generator().manual_seed(5))
+    reference = torch.zeros(32, 10, dtype=torch.float64).index_add_(0, index, values.double())
+    scale = torch.zeros(32, 10, dtype=torch.float64).index_add_(0, index, values.double().abs())
+    assert torch.all((vq._per_code_sums(index, values).double() - reference).abs() <= 1e-5 * (scale + 1e-12))

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 DEAD_CODE_FRACTION = 0.01  # a code with fewer than 1% of the mean assignments is restarted
 SPLIT_NOISE = 0.1  # a restarted code starts this many of its parent's standard deviations away
+_ONE_HOT_ELEMENTS = 1 << 23  # per chunk of the statistics' one-hot matmul: 64 MiB as int64, 32 MiB as fp32
 
 
 def index_bytes(codes: int) -> int:
@@ -114,7 +115,7 @@ class ResidualVQ(torch.nn.Module):
                 # are bit-reproducible (index_add_ sums with atomics on CUDA, in a different order each run)
                 values = torch.cat([weight.unsqueeze(1), residual * weight.unsqueeze(1),
                                     (residual.square().sum(1) * weight).unsqueeze(1)], dim=1)
-                sums = torch.nn.functional.one_hot(index, self.codes).to(values.dtype).transpose(0, 1) @ values
+                sums = self._per_code_sums(index, values)
                 self.step_count[level] += sums[:, 0]
                 self.step_sum[level] += sums[:, 1:-1]
                 self.step_square[level] += sums[:, -1]
@@ -122,6 +123,16 @@ class ResidualVQ(torch.nn.Module):
             chosen.append(torch.where(finite, index, self.codes))
         indices = torch.stack(chosen, dim=-1).reshape(*z.shape[:-1], self.levels)
         return indices, self.decode(indices)  # exactly what the receiver will rebuild
+
+    def _per_code_sums(self, index: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """[K, C] sums of ``values`` [N, C] per code ``index`` [N], as one-hot matmuls over token chunks that
+        bound the one-hot matrix (a large K times many tokens would not fit in memory otherwise)."""
+        chunk = max(1, _ONE_HOT_ELEMENTS // self.codes)
+        sums = values.new_zeros(self.codes, values.shape[1])
+        for start in range(0, index.numel(), chunk):
+            one_hot = torch.nn.functional.one_hot(index[start:start + chunk], self.codes).to(values.dtype)
+            sums += one_hot.transpose(0, 1) @ values[start:start + chunk]
+        return sums
 
     @torch.no_grad()
     def decode(self, indices: torch.Tensor) -> torch.Tensor:
