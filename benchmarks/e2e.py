@@ -1,33 +1,33 @@
-"""End-to-end evaluation on 2 GPUs: throughput and loss with TACO (and MAPL when given).
+"""End-to-end evaluation on 2 GPUs: throughput and loss with TACO and MAPL.
 
     python benchmarks/e2e.py --out-dir benchmarks/results
 
 Throughput: a GPT-style and a Qwen-style model sized so TP traffic matters,
 TP=2 + SP, bf16, uncompressed vs TACO (the default auto link policy, and
-compression forced on), in the three link regimes of DESIGN.md section 5
-(each a fresh NCCL process pair). Steady state: the first steps are warm-up
-and excluded; the median step time of the rest. One profiled step per TACO
-run splits GPU time into codec kernels, NCCL kernels and the rest.
+optionally compression forced on), in the three link regimes of DESIGN.md
+section 5 (each a fresh NCCL process pair). Steady state: the first steps are
+warm-up and excluded; the median step time of the rest. Every run ends with
+one profiled step that splits GPU time into codec, NCCL (wire) and the rest.
 
 PP=2 throughput: a wide, shallow GPT whose step is dominated by the boundary
 transfers on slow links (one layer per stage), uncompressed vs MAPL 4x, 8x and
-8x + residual VQ.
+8x + residual VQ, with the same time split.
 
-Loss: small GPT and Qwen models on real text (the Python standard library's
-sources, byte-level; validation on held-out files), same seeds, data and
-steps: uncompressed (TP=2 + SP) vs TACO fp8-ash vs TACO fp8 (no Hadamard), and
-MAPL 8x (with and without VQ) at PP=2, for several seeds. These small models
-leave the GPUs mostly idle, so the loss runs go as concurrent process pairs
+Loss: the throughput models (byte-level vocabulary) on real text (the Python
+standard library's sources; validation on held-out files), same seeds, data
+and steps: uncompressed (TP=2 + SP) vs TACO fp8-ash vs MAPL 8x at PP=2 by
+default (``--loss-variants`` adds TACO fp8 without Hadamard and MAPL 8x + VQ),
+for several seeds. The loss runs go as concurrent process pairs
 (``--loss-parallel``): sharing the GPUs changes how fast the runs go, not what
-they compute (up to a rare late divergence between invocations that e2e.md
-reports for uncompressed runs too). The report is rewritten after every part (and every loss run), so a
-run cut short keeps what it measured; the defaults fit in one 10-minute call on
-2 x H200.
+they compute. The report is rewritten after every part (and every loss run),
+so a run cut short keeps what it measured; the defaults fit in one 10-minute
+call on 2 x H200.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -42,7 +42,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from megatron_taco.config.mapl import MaplConfig  # noqa: E402
 from megatron_taco.config.taco import LinearSettings, TacoConfig  # noqa: E402
+from megatron_taco.mapl.stage import CODEC_RANGE as MAPL_CODEC_RANGE  # noqa: E402
 from megatron_taco.testing.distributed import LINK_REGIMES, run_distributed  # noqa: E402
+from megatron_taco.testing.profiling import codec_operators  # noqa: E402
 from megatron_taco.training.data import byte_text_batches, stdlib_text_files, synthetic_batches  # noqa: E402
 from megatron_taco.training.loop import TrainConfig, Trainer  # noqa: E402
 from megatron_taco.training.model import ModelShape  # noqa: E402
@@ -56,22 +58,27 @@ THROUGHPUT_MODELS = {
         vocab_size=32000, seq_length=2048, normalization="RMSNorm", activation="swiglu",
         position_embedding="rope", rotary_base=1000000, add_bias_linear=False, add_qkv_bias=True, norm_epsilon=1e-6),
 }
-LOSS_MODELS = {
-    "GPT small (6L, h512)": ModelShape(
-        num_layers=6, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048, vocab_size=256, seq_length=512),
-    "Qwen-style small (6L, h512, GQA 8/2)": ModelShape(
-        num_layers=6, hidden_size=512, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=1408,
-        vocab_size=256, seq_length=512, normalization="RMSNorm", activation="swiglu", position_embedding="rope",
-        rotary_base=1000000, add_bias_linear=False, add_qkv_bias=True, norm_epsilon=1e-6),
-}
+# the loss study trains the same models on byte-level text: only the vocabulary differs
+LOSS_MODELS = {name: dataclasses.replace(shape, vocab_size=256) for name, shape in THROUGHPUT_MODELS.items()}
+LOSS_LR = 3e-4
+# Kineto then finalises CUPTI when a profile ends: a finished profile otherwise slows the steps that follow it
+# in the same process (pytorch/pytorch#144455; measured in benchmarks/results/profiler_residue.md)
+CUPTI_TEARDOWN = {"TEARDOWN_CUPTI": "1"}
+# cuBLAS's documented setting for run-to-run reproducibility when several streams share a device
+DETERMINISTIC_CUBLAS = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 PIPELINE_MODEL = ("GPT wide-shallow (2L, h2048, ffn8192, seq2048, vocab 8192)", ModelShape(
     num_layers=2, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192, vocab_size=8192, seq_length=2048))
 PIPELINE_MICRO_BATCH = 4  # 4 x 2048 tokens x 2048 x bf16 = 32 MiB per boundary message
+TACO_KERNELS = ("_compress_kernel", "_decompress_sum_kernel")  # the Triton kernels of the TACO codec
 TACO_AUTO = TacoConfig(default=LinearSettings(mode="fp8-ash"))  # min_bytes None: the link probe decides
 TACO_FORCED = TacoConfig(default=LinearSettings(mode="fp8-ash"), min_bytes=0)
 LOSS_VARIANTS = {  # name: (TACO, MAPL); TACO runs at TP=2 + SP, MAPL at PP=2
     "baseline": (None, None),
     "TACO fp8-ash": (TacoConfig(default=LinearSettings(mode="fp8-ash"), min_bytes=0), None),
+    "TACO fp8-ash, forward only": (TacoConfig(default=LinearSettings(mode="fp8-ash", direction="fwd"), min_bytes=0),
+                                   None),
+    "TACO fp8-ash, backward only": (TacoConfig(default=LinearSettings(mode="fp8-ash", direction="bwd"),
+                                               min_bytes=0), None),
     "TACO fp8 (no Hadamard)": (TacoConfig(default=LinearSettings(mode="fp8"), min_bytes=0), None),
     "MAPL 8x (PP=2)": (None, MaplConfig(ratio=8)),
     "MAPL 8x + VQ 2 x 255 (PP=2)": (None, MaplConfig(ratio=8, vq_levels=2, vq_codes=255)),
@@ -79,26 +86,39 @@ LOSS_VARIANTS = {  # name: (TACO, MAPL); TACO runs at TP=2 + SP, MAPL at PP=2
 
 
 def _gpu_time_split(trainer: Trainer, data) -> dict:
-    """GPU kernel time of one step by category (ms): TACO codec kernels, NCCL, everything else; and the
-    host operators with the most own CPU time (to see whether the step waits for the host)."""
-    from torch.profiler import ProfilerActivity, profile
+    """GPU time of one profiled step (ms of kernels, memory copies included) by category, and the host
+    operators with the most own CPU time (to see whether the step waits for the host).
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        trainer.train_step(data)
-        torch.cuda.synchronize()
-    events = prof.key_averages()
-    split = {"codec": 0.0, "nccl": 0.0, "other": 0.0,
-             "host_ops": events.table(sort_by="self_cpu_time_total", row_limit=12)}
-    for event in events:
-        us = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
-        name = event.key
-        if "compress_kernel" in name or "decompress_sum_kernel" in name:
-            split["codec"] += us / 1e3
-        elif name.lower().startswith("nccl"):
-            split["nccl"] += us / 1e3
-        else:
-            split["other"] += us / 1e3
-    return split
+    codec: TACO's Triton kernels, and MAPL's work (the kernels of the MAPL codec range's operators, forward and
+    backward: :func:`~megatron_taco.testing.profiling.codec_operators`); nccl: NCCL kernels, i.e. the wire,
+    waiting for the peer included; other: the rest. Each kernel counts once, but kernels on different streams
+    overlap, so the three can add up to more than the step.
+    """
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    # one warm-up step under the profiler first: CUPTI's start-up would otherwise land in the recorded step
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 schedule=schedule(wait=0, warmup=1, active=1, repeat=1)) as prof:
+        for _ in range(2):
+            trainer.train_step(data)
+            torch.cuda.synchronize()
+            prof.step()
+    events = prof.events()
+
+    def ms(kernels) -> float:
+        return sum(k.time_range.end - k.time_range.start for k in kernels) / 1e3
+
+    # device activity (kernels, copies), not the device-side spans the profiler draws for record_function ranges
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+    nccl = [k for k in kernels if k.name.lower().startswith("nccl")]
+    taco = [k for k in kernels if any(name in k.name for name in TACO_KERNELS)]
+    # MAPL's kernels are ordinary GEMMs and element-wise ops: found through the host operator that launched them
+    mapl = sum(k.duration for op in codec_operators(events, MAPL_CODEC_RANGE)
+               for k in op.kernels if not k.name.lower().startswith("nccl")) / 1e3
+    codec = ms(taco) + mapl
+    return {"codec": codec, "nccl": ms(nccl), "other": ms(kernels) - ms(nccl) - codec,
+            "host_ops": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)}
 
 
 def _median_step_s(trainer: Trainer, data, steps: int, warmup: int) -> float:
@@ -113,13 +133,13 @@ def _median_step_s(trainer: Trainer, data, steps: int, warmup: int) -> float:
     return statistics.median(times[warmup:])
 
 
-def _timed_run(cfg: TrainConfig, model_name: str, variant: str, steps: int, warmup: int, profile: bool) -> dict:
-    """Train ``cfg`` on synthetic data: median step time, tokens/s and (``profile``) one step's time split."""
+def _timed_run(cfg: TrainConfig, model_name: str, variant: str, steps: int, warmup: int) -> dict:
+    """Train ``cfg`` on synthetic data: median step time, tokens/s and one profiled step's time split."""
     shape = cfg.shape
     trainer = Trainer(cfg)
     data = synthetic_batches(shape.vocab_size, shape.seq_length, cfg.micro_batch_size, seed=1)
     step_s = _median_step_s(trainer, data, steps, warmup)
-    split = _gpu_time_split(trainer, data) if profile else {}
+    split = _gpu_time_split(trainer, data)
     trainer.close()
     tokens = shape.seq_length * cfg.micro_batch_size * cfg.num_microbatches
     if dist.get_rank() == 0:
@@ -135,7 +155,7 @@ def _throughput_worker(steps: int, warmup: int, micro_batches: int, forced: bool
         ("baseline, again after TACO", None)]
     return [_timed_run(TrainConfig(shape, tensor_parallel=2, sequence_parallel=True, micro_batch_size=1,
                                    num_microbatches=micro_batches, dtype="bf16", lr=1e-4, taco=taco),
-                       model_name, variant, steps, warmup, profile=True)
+                       model_name, variant, steps, warmup)
             for model_name, shape in THROUGHPUT_MODELS.items() for variant, taco in variants]
 
 
@@ -146,22 +166,22 @@ def _pipeline_worker(steps: int, warmup: int, micro_batches: int):
                 ("MAPL 8x + VQ 2 x 255", MaplConfig(ratio=8, vq_levels=2, vq_codes=255)))
     return [_timed_run(TrainConfig(shape, pipeline_parallel=2, micro_batch_size=PIPELINE_MICRO_BATCH,
                                    num_microbatches=micro_batches, dtype="bf16", lr=1e-4, mapl=mapl),
-                       model_name, variant, steps, warmup, profile=False)
+                       model_name, variant, steps, warmup)
             for variant, mapl in variants]
 
 
-def _loss_worker(model_name: str, variant: str, seed: int, steps: int, eval_iters: int) -> dict:
+def _loss_worker(model_name: str, variant: str, seed: int, steps: int, micro_batches: int, eval_iters: int) -> dict:
     """One loss run: ``steps`` training steps on real text, then the validation loss."""
     shape = LOSS_MODELS[model_name]
     taco, mapl = LOSS_VARIANTS[variant]
     train_files, valid_files = stdlib_text_files()
     layout = dict(pipeline_parallel=2) if mapl else dict(tensor_parallel=2, sequence_parallel=True)
-    cfg = TrainConfig(shape, **layout, micro_batch_size=8, num_microbatches=1, dtype="bf16", lr=1e-3,
+    cfg = TrainConfig(shape, **layout, micro_batch_size=1, num_microbatches=micro_batches, dtype="bf16", lr=LOSS_LR,
                       seed=1234 + seed, taco=taco, mapl=mapl)
     trainer = Trainer(cfg)
-    train = byte_text_batches(train_files, shape.seq_length, 8, seed=1 + seed)
+    train = byte_text_batches(train_files, shape.seq_length, 1, seed=1 + seed)
     losses = [trainer.train_step(train)["loss"] for _ in range(steps)]
-    valid = trainer.evaluate(byte_text_batches(valid_files, shape.seq_length, 8, seed=2), eval_iters)
+    valid = trainer.evaluate(byte_text_batches(valid_files, shape.seq_length, 1, seed=2), eval_iters)
     trainer.close()
     return dict(train=losses, valid=valid)
 
@@ -170,12 +190,17 @@ def _loss_study(args, results: dict, report) -> None:
     """Every (model, variant, seed) run as its own process pair, ``args.loss_parallel`` at a time."""
     from concurrent.futures import ThreadPoolExecutor, as_completed
 
+    variants = args.loss_variants.split(";")
+    unknown = [v for v in variants if v not in LOSS_VARIANTS]
+    if unknown:
+        raise SystemExit(f"--loss-variants: unknown {unknown}; choose from {list(LOSS_VARIANTS)}")
     runs = [(model, variant, seed) for model in LOSS_MODELS
             if args.loss_models == "all" or model.lower().startswith(args.loss_models)
-            for variant in LOSS_VARIANTS for seed in range(args.loss_seeds)]
+            for variant in variants for seed in range(args.loss_seeds)]
     with ThreadPoolExecutor(max_workers=args.loss_parallel) as pool:
-        futures = {pool.submit(run_distributed, _loss_worker, 2, *run, args.loss_steps, args.eval_iters,
-                               backend="nccl", timeout=1200): run for run in runs}
+        futures = {pool.submit(run_distributed, _loss_worker, 2, *run, args.loss_steps, args.micro_batches,
+                               args.eval_iters, backend="nccl", env=DETERMINISTIC_CUBLAS, timeout=1200): run
+                   for run in runs}
         for future in as_completed(futures):
             model, variant, seed = futures[future]
             curve = future.result()[0]
@@ -194,9 +219,11 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=2)
     parser.add_argument("--pipeline-micro-batches", type=int, default=8)
     parser.add_argument("--forced", action="store_true", help="also time TACO with every message compressed")
-    parser.add_argument("--loss-steps", type=int, default=200)
+    parser.add_argument("--loss-steps", type=int, default=150)
     parser.add_argument("--loss-seeds", type=int, default=2)
-    parser.add_argument("--loss-parallel", type=int, default=10, help="loss runs (process pairs) at a time")
+    parser.add_argument("--loss-parallel", type=int, default=6, help="loss runs (process pairs) at a time")
+    parser.add_argument("--loss-variants", default="baseline;TACO fp8-ash;MAPL 8x (PP=2)",
+                        help=f"';'-separated, from: {'; '.join(LOSS_VARIANTS)}")
     parser.add_argument("--eval-iters", type=int, default=20)
     parser.add_argument("--parts", default="pipeline,throughput,loss")
     parser.add_argument("--loss-models", default="all", help="all, gpt or qwen")
@@ -232,7 +259,8 @@ def main() -> None:
         for regime in args.regimes.split(","):
             print(f"{part}, regime {regime}", flush=True)
             results[part][regime] = run_distributed(worker, 2, args.steps, args.warmup, *worker_args,
-                                                    backend="nccl", env=LINK_REGIMES[regime], timeout=1200)[0]
+                                                    backend="nccl", env={**LINK_REGIMES[regime], **CUPTI_TEARDOWN},
+                                                    timeout=1200)[0]
             report(f"{part} {regime}")
 
 
@@ -295,6 +323,26 @@ def _plot(results, out_dir) -> None:
         plt.close(fig)
 
 
+SPLIT_NOTE = ("GPU time of one profiled step (ms of kernels, rank 0): codec (TACO's Triton kernels; MAPL's "
+              "projection, anchors, VQ and replica synchronisation, forward and backward) / NCCL (the wire, waiting "
+              "for the peer included) / other; kernels on different streams overlap.")
+
+
+def _throughput_table(parts: dict) -> list:
+    """Markdown rows of timed runs per regime, each against the baseline of its model in the same process pair."""
+    lines = ["| regime | model | variant | ms/step | tokens/s | vs baseline | codec ms | NCCL ms | other ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for regime, rows in parts.items():
+        base = {r["model"]: r["tokens_per_s"] for r in rows if r["variant"] == "baseline"}
+        for r in rows:
+            split = r["split"]
+            lines.append(
+                f"| {regime} | {r['model']} | {r['variant']} | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:.0f} | "
+                f"{r['tokens_per_s'] / base[r['model']]:.2f}x | {split['codec']:.1f} | {split['nccl']:.1f} | "
+                f"{split['other']:.1f} |")
+    return lines + [""]
+
+
 def _write(args, results) -> None:
     import triton
 
@@ -305,7 +353,8 @@ def _write(args, results) -> None:
         f"- Command: `python benchmarks/e2e.py --out-dir {args.out_dir} --regimes {args.regimes} --steps {args.steps} "
         f"--warmup {args.warmup} --micro-batches {args.micro_batches} --pipeline-micro-batches "
         f"{args.pipeline_micro_batches}{' --forced' if args.forced else ''} --loss-steps {args.loss_steps} "
-        f"--loss-seeds {args.loss_seeds} --loss-parallel {args.loss_parallel} --eval-iters {args.eval_iters} "
+        f"--loss-seeds {args.loss_seeds} --loss-parallel {args.loss_parallel} --loss-variants '{args.loss_variants}' "
+        f"--eval-iters {args.eval_iters} "
         f"--parts {args.parts} --loss-models {args.loss_models}`",
         f"- Date: {datetime.date.today().isoformat()}; 2 x {props.name}; torch {torch.__version__}, "
         f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, triton {triton.__version__}",
@@ -320,21 +369,9 @@ def _write(args, results) -> None:
             "",
             "TACO = fp8-ash, G=128, E4M3, folded scale. *auto* = the default link policy (`--taco-min-bytes auto`: "
             "probe the TP group, compress only on slow links above the break-even size); *forced* = every message "
-            "compressed. GPU time split from one profiled step (ms): codec kernels / NCCL kernels / other.",
+            "compressed. " + SPLIT_NOTE,
             "",
-            "| regime | model | variant | ms/step | tokens/s | vs baseline | codec ms | NCCL ms | other ms |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for regime, rows in results["throughput"].items():
-            base = {r["model"]: r for r in rows if r["variant"] == "baseline"}
-            for r in rows:
-                split = r["split"]
-                lines.append(
-                    f"| {regime} | {r['model']} | {r['variant']} | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:.0f} | "
-                    f"{r['tokens_per_s'] / base[r['model']]['tokens_per_s']:.2f}x | {split.get('codec', 0):.1f} | "
-                    f"{split.get('nccl', 0):.1f} | {split.get('other', 0):.1f} |"
-                )
-        lines.append("")
+        ] + _throughput_table(results["throughput"])
         regime, rows = next(iter(results["throughput"].items()))
         for r in rows:
             if r["variant"] == "baseline":
@@ -347,24 +384,18 @@ def _write(args, results) -> None:
             "",
             f"Model: {PIPELINE_MODEL[0]}, one layer per stage, so the boundary messages "
             f"({PIPELINE_MICRO_BATCH} x 2048 x 2048 bf16 = 32 MiB each way per micro-batch uncompressed) weigh as "
-            "much as possible against the compute on slow links.",
+            "much as possible against the compute on slow links. " + SPLIT_NOTE,
             "",
-            "| regime | model | variant | ms/step | tokens/s | vs baseline |",
-            "|---|---|---|---|---|---|",
-        ]
-        for regime, rows in results["pipeline"].items():
-            base = rows[0]["tokens_per_s"]
-            for r in rows:
-                lines.append(f"| {regime} | {r['model']} | {r['variant']} | {r['step_s'] * 1e3:.1f} | "
-                             f"{r['tokens_per_s']:.0f} | {r['tokens_per_s'] / base:.2f}x |")
-        lines.append("")
+        ] + _throughput_table(results["pipeline"])
     runs = _loss_runs(results)
     if runs:
         lines += [
-            f"## Loss on real text: bf16, {args.loss_steps} steps of 8 x 512 byte-level tokens "
-            f"(Python stdlib sources), validation on held-out files ({args.eval_iters} batches); baseline and TACO "
+            f"## Loss on real text: the throughput models (vocabulary 256), bf16, Adam lr {LOSS_LR:g}, "
+            f"{args.loss_steps} steps of 1 x {args.micro_batches} micro-batches of 2048 byte-level tokens "
+            f"(Python stdlib sources), validation on held-out files ({args.eval_iters} sequences); baseline and TACO "
             "at TP=2 + SP, MAPL at PP=2 (the same model and initialisation: the trainer's init does not depend on "
-            "the layout); seed s changes the initialisation and the training data order",
+            "the layout); seed s changes the initialisation and the training data order; "
+            f"`CUBLAS_WORKSPACE_CONFIG={DETERMINISTIC_CUBLAS['CUBLAS_WORKSPACE_CONFIG']}`",
             "",
             "![loss curves](e2e_loss.png)",
             "",

@@ -96,6 +96,34 @@ def test_replicas_stay_bit_identical_and_u_stays_on_the_manifold_over_200_steps(
     assert sum(losses[-10:]) / 10 < 0.7 * sum(losses[:10]) / 10
 
 
+def _codec_operators_of_a_profiled_step() -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_taco.mapl.stage import CODEC_RANGE
+    from megatron_taco.testing.profiling import codec_operators
+
+    trainer = Trainer(TrainConfig(TINY_GPT, pipeline_parallel=2, micro_batch_size=2, num_microbatches=2,
+                                  mapl=MaplConfig(ratio=4)))
+    data = synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, 2, seed=1)
+    trainer.train_step(data)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        trainer.train_step(data)
+    trainer.close()
+    events = prof.events()
+    return dict(codec={op.name for op in codec_operators(events, CODEC_RANGE)}, all={e.name for e in events})
+
+
+def test_a_profile_attributes_the_codec_forward_and_backward_and_none_of_the_model():
+    backward = "autograd::engine::evaluate_function: "
+    for rank, names in enumerate(run_distributed(_codec_operators_of_a_profiled_step, 2, timeout=120)):
+        # the projection's GEMM and the anchor gather, forward and backward (the model's linears and
+        # embeddings have other autograd nodes)
+        assert {"aten::mm", "aten::index", backward + "MmBackward0", backward + "IndexBackward0"} <= names["codec"]
+        model = {name for name in names["all"] if any(k in name for k in ("layer_norm", "LayerNorm", "oftmax"))}
+        assert backward + "NativeLayerNormBackward0" in model, f"rank {rank}: the model's ops are in the profile"
+        assert not names["codec"] & model, f"rank {rank}: model operators counted as codec"
+
+
 @pytest.mark.parametrize("tp,pp,sp", [(1, 4, False), (2, 2, True)], ids=["pp4", "tp2-pp2-sp"])
 def test_four_rank_layouts_train_with_identical_replicas(tp, pp, sp):
     results = run_distributed(_train, 4, MaplConfig(ratio=4), 15, tp, pp, sp, timeout=300)

@@ -28,6 +28,10 @@ from megatron.core import parallel_state
 from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stiefel import StiefelMomentumSGD
 
+# Profiler range around MAPL's own work (projection, anchors, VQ, replica synchronisation): a profile
+# attributes the kernels launched inside it, and by the backward of ops recorded inside it, to the codec.
+CODEC_RANGE = "mapl_codec"
+
 
 class MaplStage(torch.nn.Module):
     def __init__(self, model: torch.nn.Module, recv: Optional[BoundaryCodec], send: Optional[BoundaryCodec]) -> None:
@@ -60,14 +64,16 @@ class MaplStage(torch.nn.Module):
             tokens, positions = self._local(input_ids), self._local(position_ids)
         dtype = self.config.pipeline_dtype
         if self.recv is not None:
-            received = self.recv.dequantize(self._received) if self.recv.vq is not None else self._received
-            self.module.set_input_tensor(
-                self.recv.reconstruct(received, tokens, dtype or self._received.dtype, positions))
+            with torch.profiler.record_function(CODEC_RANGE):
+                received = self.recv.dequantize(self._received) if self.recv.vq is not None else self._received
+                self.module.set_input_tensor(
+                    self.recv.reconstruct(received, tokens, dtype or self._received.dtype, positions))
         output = self.module(input_ids, position_ids, attention_mask, **kwargs)
         if self.send is not None:
-            output = self.send.project(output, tokens, positions)
-            if self.send.vq is not None:
-                output = self.send.quantize(output, dtype or output.dtype)
+            with torch.profiler.record_function(CODEC_RANGE):
+                output = self.send.project(output, tokens, positions)
+                if self.send.vq is not None:
+                    output = self.send.quantize(output, dtype or output.dtype)
         return output
 
     def boundaries(self) -> List[BoundaryCodec]:
@@ -176,6 +182,7 @@ class MaplSync:
                 )
             self.senders[boundary.boundary] = int(max(both[0][-1], both[1][-1]))
 
+    @torch.profiler.record_function(CODEC_RANGE)
     def finalize_grads(self) -> None:
         """Sum U and anchor gradients over TP (U only; anchors via SP tagging), DP and the boundary pair."""
         tp_group = parallel_state.get_tensor_model_parallel_group()
@@ -199,6 +206,7 @@ class MaplSync:
                 if grad is not None:
                     dist.all_reduce(grad, group=pair)
 
+    @torch.profiler.record_function(CODEC_RANGE)
     def manifold_step(self) -> None:
         if self.optimizer is None:
             return
@@ -206,6 +214,7 @@ class MaplSync:
         for b in self.trainable:
             b.projection.grad = None
 
+    @torch.profiler.record_function(CODEC_RANGE)
     def codebook_step(self) -> int:
         """VQ: senders fold this step's statistics into their EMA codebooks; changed rows stream to receivers.
 
