@@ -96,6 +96,16 @@ def test_replicas_stay_bit_identical_and_u_stays_on_the_manifold_over_200_steps(
     assert sum(losses[-10:]) / 10 < 0.7 * sum(losses[:10]) / 10
 
 
+def test_full_rank_mapl_trains_like_the_uncompressed_pipeline():
+    """At r = d the projection is a rotation and the anchors cancel: losses match the uncompressed pipeline to
+    fp32 rounding (a wrong anchor sign, a missing position term or a gradient path that leaks would not)."""
+    base = run_distributed(_train, 2, None, 10, timeout=120)[0]["losses"]
+    full = run_distributed(_train, 2, MaplConfig(ratio=1), 10, timeout=120)[0]["losses"]
+    assert base[-1] < 0.9 * base[0]
+    for step, (expected, got) in enumerate(zip(base, full)):
+        assert abs(got - expected) <= 1e-4 * expected, (step, expected, got)
+
+
 def _codec_operators_of_a_profiled_step() -> dict:
     from torch.profiler import ProfilerActivity, profile
 
