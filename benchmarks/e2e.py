@@ -70,16 +70,21 @@ PIPELINE_MODEL = ("GPT wide-shallow (2L, h2048, ffn8192, seq2048, vocab 8192)", 
     num_layers=2, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192, vocab_size=8192, seq_length=2048))
 PIPELINE_MICRO_BATCH = 4  # 4 x 2048 tokens x 2048 x bf16 = 32 MiB per boundary message
 TACO_KERNELS = ("_compress_kernel", "_decompress_sum_kernel")  # the Triton kernels of the TACO codec
+
+
+def _forced_taco(mode: str, direction: str = "both") -> TacoConfig:
+    """TACO on every linear and every message (min_bytes 0: no link policy)."""
+    return TacoConfig(default=LinearSettings(mode=mode, direction=direction), min_bytes=0)
+
+
 TACO_AUTO = TacoConfig(default=LinearSettings(mode="fp8-ash"))  # min_bytes None: the link probe decides
-TACO_FORCED = TacoConfig(default=LinearSettings(mode="fp8-ash"), min_bytes=0)
+TACO_FORCED = _forced_taco("fp8-ash")
 LOSS_VARIANTS = {  # name: (TACO, MAPL); TACO runs at TP=2 + SP, MAPL at PP=2
     "baseline": (None, None),
-    "TACO fp8-ash": (TacoConfig(default=LinearSettings(mode="fp8-ash"), min_bytes=0), None),
-    "TACO fp8-ash, forward only": (TacoConfig(default=LinearSettings(mode="fp8-ash", direction="fwd"), min_bytes=0),
-                                   None),
-    "TACO fp8-ash, backward only": (TacoConfig(default=LinearSettings(mode="fp8-ash", direction="bwd"),
-                                               min_bytes=0), None),
-    "TACO fp8 (no Hadamard)": (TacoConfig(default=LinearSettings(mode="fp8"), min_bytes=0), None),
+    "TACO fp8-ash": (TACO_FORCED, None),
+    "TACO fp8-ash, forward only": (_forced_taco("fp8-ash", "fwd"), None),
+    "TACO fp8-ash, backward only": (_forced_taco("fp8-ash", "bwd"), None),
+    "TACO fp8 (no Hadamard)": (_forced_taco("fp8"), None),
     "MAPL 8x (PP=2)": (None, MaplConfig(ratio=8)),
     "MAPL 8x + VQ 2 x 255 (PP=2)": (None, MaplConfig(ratio=8, vq_levels=2, vq_codes=255)),
 }
