@@ -18,9 +18,11 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from megatron_taco.config.mapl import MaplConfig  # noqa: E402
+from mapl_variants import VARIANTS as ALL_VARIANTS  # noqa: E402
+
 from megatron_taco.testing.distributed import run_distributed  # noqa: E402
 from megatron_taco.training.data import byte_text_batches, stdlib_text_files  # noqa: E402
 from megatron_taco.training.loop import TrainConfig, Trainer  # noqa: E402
@@ -28,21 +30,23 @@ from megatron_taco.training.model import ModelShape  # noqa: E402
 
 MODEL = ModelShape(num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512, vocab_size=256,
                    seq_length=128)
-VARIANTS = {  # rows measured before position anchors existed keep them off (the default is now auto)
-    "uncompressed": None,
-    "MAPL 8x": MaplConfig(ratio=8, anchor_rank=16, position_anchors=False),
-    "MAPL 8x, manifold lr 0.1": MaplConfig(ratio=8, lr=0.1, anchor_rank=16, position_anchors=False),
-    "MAPL 8x, anchor rank 64": MaplConfig(ratio=8, anchor_rank=64, position_anchors=False),
-    "fixed projection 8x (SSN-style)": MaplConfig(ratio=8, fixed_projection=True, anchor_rank=0),
-    "MAPL 8x, anchor rank 128 (= hidden)": MaplConfig(ratio=8, anchor_rank=128, position_anchors=False),
-    "MAPL 8x, anchor rank 64, manifold lr 0.1": MaplConfig(ratio=8, anchor_rank=64, lr=0.1, position_anchors=False),
-    "MAPL 16x, anchor rank 64": MaplConfig(ratio=16, anchor_rank=64, position_anchors=False),
-    "MAPL 8x, anchor rank 64, position anchors": MaplConfig(ratio=8, anchor_rank=64, position_anchors=True),
-    "MAPL 8x, anchor rank 64, manifold lr 0.1, position anchors": MaplConfig(ratio=8, anchor_rank=64, lr=0.1,
-                                                                             position_anchors=True),
-    "MAPL 8x, anchor rank 128, position anchors": MaplConfig(ratio=8, anchor_rank=128, position_anchors=True),
-    "MAPL 16x, anchor rank 64, position anchors": MaplConfig(ratio=16, anchor_rank=64, position_anchors=True),
-}
+VARIANTS = {name: ALL_VARIANTS[name] for name in (  # this study's rows, in report order
+    "uncompressed",
+    "MAPL 8x",
+    "MAPL 8x, manifold lr 0.1",
+    "MAPL 8x, anchor rank 64",
+    "fixed projection 8x (SSN-style)",
+    "MAPL 8x, anchor rank 128 (= hidden)",
+    "MAPL 8x, anchor rank 64, manifold lr 0.1",
+    "MAPL 16x, anchor rank 64",
+    "MAPL 8x, anchor rank 64, position anchors",
+    "MAPL 8x, anchor rank 64, manifold lr 0.1, position anchors",
+    "MAPL 8x, anchor rank 128, position anchors",
+    "MAPL 16x, anchor rank 64, position anchors",
+    "MAPL 8x, anchor rank 64, position anchors, anchors from the embedding",
+    "MAPL 16x, anchor rank 64, position anchors, anchors from the embedding",
+    "MAPL 8x, anchor rank 128, position anchors, anchors from the embedding",
+)}
 WINDOW = 50  # steps averaged for each point of the gap table
 
 

@@ -22,9 +22,11 @@ import sys
 import torch
 import torch.distributed as dist
 
+sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from megatron_taco.config.mapl import MaplConfig  # noqa: E402
+from mapl_variants import VARIANTS as ALL_VARIANTS  # noqa: E402
+
 from megatron_taco.testing.distributed import run_distributed  # noqa: E402
 from megatron_taco.training.data import byte_text_batches, stdlib_text_files  # noqa: E402
 from megatron_taco.training.loop import TrainConfig, Trainer  # noqa: E402
@@ -32,22 +34,23 @@ from megatron_taco.training.model import ModelShape  # noqa: E402
 
 MODEL = ModelShape(num_layers=8, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048, vocab_size=256,
                    seq_length=512)
-VARIANTS = {  # rows measured before position anchors existed keep them off (the default is now auto)
-    "uncompressed": None,
-    "MAPL 2x": MaplConfig(ratio=2, anchor_rank=16, position_anchors=False),
-    "MAPL 4x": MaplConfig(ratio=4, anchor_rank=16, position_anchors=False),
-    "MAPL 8x": MaplConfig(ratio=8, anchor_rank=16, position_anchors=False),
-    "MAPL 16x": MaplConfig(ratio=16, anchor_rank=16, position_anchors=False),
-    "fixed projection 8x (SSN-style)": MaplConfig(ratio=8, fixed_projection=True, anchor_rank=0),
-    "MAPL 8x + VQ (2 x 255 codes)": MaplConfig(ratio=8, vq_levels=2, vq_codes=255, anchor_rank=16,
-                                               position_anchors=False),
-    "MAPL 8x, manifold lr 0.001": MaplConfig(ratio=8, lr=0.001, anchor_rank=16, position_anchors=False),
-    "MAPL 8x, manifold lr 0.1": MaplConfig(ratio=8, lr=0.1, anchor_rank=16, position_anchors=False),
-    "MAPL 8x, anchor rank 64": MaplConfig(ratio=8, anchor_rank=64, position_anchors=False),
-    "MAPL 16x, anchor rank 64": MaplConfig(ratio=16, anchor_rank=64, position_anchors=False),
-    "MAPL 8x, anchor rank 64, position anchors": MaplConfig(ratio=8, anchor_rank=64, position_anchors=True),
-    "MAPL 16x, anchor rank 64, position anchors": MaplConfig(ratio=16, anchor_rank=64, position_anchors=True),
-}
+VARIANTS = {name: ALL_VARIANTS[name] for name in (  # this study's rows, in report order
+    "uncompressed",
+    "MAPL 2x",
+    "MAPL 4x",
+    "MAPL 8x",
+    "MAPL 16x",
+    "fixed projection 8x (SSN-style)",
+    "MAPL 8x + VQ (2 x 255 codes)",
+    "MAPL 8x, manifold lr 0.001",
+    "MAPL 8x, manifold lr 0.1",
+    "MAPL 8x, anchor rank 64",
+    "MAPL 16x, anchor rank 64",
+    "MAPL 8x, anchor rank 64, position anchors",
+    "MAPL 16x, anchor rank 64, position anchors",
+    "MAPL 8x, anchor rank 64, position anchors, anchors from the embedding",
+    "MAPL 16x, anchor rank 64, position anchors, anchors from the embedding",
+)}
 
 
 def _worker(args: argparse.Namespace):

@@ -96,6 +96,63 @@ def test_replicas_stay_bit_identical_and_u_stays_on_the_manifold_over_200_steps(
     assert sum(losses[-10:]) / 10 < 0.7 * sum(losses[:10]) / 10
 
 
+def _anchors_at_the_start(tp: int, pp: int, mapl: MaplConfig) -> dict:
+    """Every boundary's anchor projection (E + P) B on this rank, and on the first stage the whole embedding."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    trainer = Trainer(TrainConfig(TINY_GPT, tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=tp > 1,
+                                  mapl=mapl))
+    tables = None
+    if parallel_state.is_pipeline_first_stage():
+        embedding = trainer._mapl_stages[0].module.embedding
+        shard = embedding.word_embeddings.weight.detach().float()
+        shards = [torch.empty_like(shard) for _ in range(tp)]
+        dist.all_gather(shards, shard, group=parallel_state.get_tensor_model_parallel_group())
+        tables = (torch.cat(shards).double(), embedding.position_embeddings.weight.detach().double())
+    anchors = [(b.anchor_embedding.detach().double() @ b.anchor_basis.detach().double(),
+                b.anchor_position.detach().double() @ b.anchor_basis.detach().double() if b.positions else None)
+               for b in trainer.mapl_boundaries]
+    trainer.close()
+    return dict(tables=tables, anchors=anchors)
+
+
+@pytest.mark.parametrize("anchor_rank", [TINY_GPT.hidden_size, 16], ids=["k=d", "k<d"])
+def test_anchors_start_as_the_best_rank_k_approximation_of_the_embedding(anchor_rank):
+    results = run_distributed(_anchors_at_the_start, 2, 1, 2, MaplConfig(ratio=4, anchor_rank=anchor_rank),
+                              timeout=120)
+    word, position = results[0]["tables"]
+    # float64 reference: project both tables on the top-k right singular vectors of the stacked tables
+    right = torch.linalg.svd(torch.cat([word, position]), full_matrices=False)[2][:anchor_rank]
+    projector = right.T @ right
+    for rank, result in enumerate(results):
+        (tokens, positions), = result["anchors"]
+        scale = float(word.abs().max())
+        assert float((tokens - word @ projector).abs().max()) <= 1e-5 * scale, rank
+        assert float((positions - position @ projector).abs().max()) <= 1e-5 * scale, rank
+    if anchor_rank == TINY_GPT.hidden_size:  # full rank: the anchors are the embedding itself
+        assert torch.allclose(tokens, word, atol=1e-5 * scale) and torch.allclose(positions, position, atol=1e-5 * scale)
+
+
+def test_anchors_start_identically_on_every_rank_of_a_tp2_pp2_layout():
+    results = run_distributed(_anchors_at_the_start, 4, 2, 2, MaplConfig(ratio=4, anchor_rank=TINY_GPT.hidden_size),
+                              timeout=180)
+    word, position = next(r["tables"] for r in results if r["tables"] is not None)
+    first = results[0]["anchors"][0]
+    for result in results:
+        (tokens, positions), = result["anchors"]
+        assert torch.equal(tokens, first[0]) and torch.equal(positions, first[1])
+    # the vocabulary-parallel table was gathered: every row of the whole vocabulary is anchored
+    assert torch.allclose(first[0], word, atol=1e-5 * float(word.abs().max()))
+
+
+def test_random_anchor_start_keeps_the_seeded_noise():
+    results = run_distributed(_anchors_at_the_start, 2, 1, 2, MaplConfig(ratio=4, anchor_init="random"), timeout=120)
+    word, _ = results[0]["tables"]
+    (tokens, _), = results[0]["anchors"]
+    assert float((tokens - word).norm()) > 0.5 * float(word.norm())
+
+
 def test_full_rank_mapl_trains_like_the_uncompressed_pipeline():
     """At r = d the projection is a rotation and the anchors cancel: losses match the uncompressed pipeline to
     fp32 rounding (a wrong anchor sign, a missing position term or a gradient path that leaks would not)."""
@@ -282,10 +339,19 @@ def test_invalid_mapl_flags_name_the_flag(argv, flag):
     (["--mapl-vq-levels", "2"], "--mapl-vq-levels"),
     (["--mapl-anchor-rank", "4", "--mapl-fixed-projection"], "--mapl-anchor-rank, --mapl-fixed-projection"),
     (["--mapl-position-anchors", "off"], "--mapl-position-anchors"),
+    (["--mapl-anchor-init", "random"], "--mapl-anchor-init"),
 ])
 def test_mapl_flags_without_a_rank_are_rejected(argv, named):
     with pytest.raises(MaplConfigError, match=f"{named} given without --mapl-ratio"):
         _parse(argv)
+
+
+def test_an_unknown_anchor_start_is_rejected_naming_the_flag():
+    with pytest.raises(SystemExit):  # argparse's choices: "argument --mapl-anchor-init: invalid choice"
+        _parse(["--mapl-ratio", "4", "--mapl-anchor-init", "zeros"])
+    with pytest.raises(MaplConfigError, match="--mapl-anchor-init"):
+        MaplConfig(ratio=4, anchor_init="zeros")
+    assert _parse(["--mapl-ratio", "4", "--mapl-anchor-init", "random"]).anchor_init == "random"
 
 
 def test_invalid_mapl_combinations_with_the_model_are_rejected():

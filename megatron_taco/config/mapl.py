@@ -13,6 +13,9 @@ class MaplConfigError(TacoConfigError):
     """An invalid --mapl-* flag value or combination (the message names the flag)."""
 
 
+ANCHOR_INITS = ("embedding", "random")
+
+
 @dataclasses.dataclass(frozen=True)
 class MaplConfig:
     """rank: wire width r of every boundary (hidden d -> r); ratio d / r is the compression;
@@ -26,6 +29,10 @@ class MaplConfig:
     # also anchor the positions: None = wherever the model has learned absolute positions (3 of 3 seeds better
     # at 8x on CPU, benchmarks/results/mapl_cpu_study_seeds.md); True = required; False = off
     position_anchors: Optional[bool] = None
+    # where the anchors start: "embedding" = the best rank-k approximation of the model's input embedding
+    # (8x gap +3.4% against +5.6% from "random" on CPU, 3 seeds, every seed better; 16x +3.9% against +8.0%:
+    # benchmarks/results/mapl_cpu_study_seeds.md)
+    anchor_init: str = "embedding"
     lr: float = 0.01
     momentum: float = 0.9
     fixed_projection: bool = False
@@ -34,6 +41,11 @@ class MaplConfig:
     vq_decay: float = 0.9
     vq_sync_rows: int = 0
     vq_sync_tolerance: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if self.anchor_init not in ANCHOR_INITS:
+            raise MaplConfigError(f"--mapl-anchor-init: invalid value {self.anchor_init!r}; choose from "
+                                  f"{', '.join(ANCHOR_INITS)}")
 
     @property
     def uniform(self) -> bool:
@@ -88,6 +100,9 @@ def add_mapl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--mapl-position-anchors", choices=("auto", "on", "off"), default="auto",
                        help="also anchor the positions, a(t, p) = (E[t] + P[p]) B, so that learned absolute position "
                             "embeddings need no wire width; auto: on for such models, off for RoPE models")
+    group.add_argument("--mapl-anchor-init", choices=ANCHOR_INITS, default="embedding",
+                       help="start of the anchors: embedding = the best rank-k approximation of the model's input "
+                            "embedding (token and, with position anchors, position tables); random = small noise")
     group.add_argument("--mapl-lr", type=float, default=0.01, help="learning rate of the manifold optimizer")
     group.add_argument("--mapl-momentum", type=float, default=0.9, help="momentum of the manifold optimizer")
     group.add_argument("--mapl-fixed-projection", action="store_true",
@@ -115,6 +130,7 @@ def mapl_config_from_args(args: argparse.Namespace) -> Optional[MaplConfig]:
                     "vq_sync_tolerance") if getattr(args, f"mapl_{name}") != getattr(defaults, name)]
         orphans += ["--mapl-fixed-projection"] if args.mapl_fixed_projection else []
         orphans += ["--mapl-position-anchors"] if args.mapl_position_anchors != "auto" else []
+        orphans += ["--mapl-anchor-init"] if args.mapl_anchor_init != defaults.anchor_init else []
         if orphans:
             raise MaplConfigError(f"{', '.join(orphans)} given without --mapl-ratio, --mapl-rank or --mapl-ranks "
                                   "(MAPL is off)")
@@ -157,6 +173,7 @@ def mapl_config_from_args(args: argparse.Namespace) -> Optional[MaplConfig]:
         rank=args.mapl_rank, ratio=args.mapl_ratio, ranks=ranks,
         anchor_rank=0 if args.mapl_fixed_projection else args.mapl_anchor_rank,
         position_anchors={"auto": None, "on": True, "off": False}[args.mapl_position_anchors],
+        anchor_init=args.mapl_anchor_init,
         lr=args.mapl_lr, momentum=args.mapl_momentum, fixed_projection=args.mapl_fixed_projection,
         vq_levels=args.mapl_vq_levels, vq_codes=args.mapl_vq_codes, vq_decay=args.mapl_vq_decay,
         vq_sync_rows=args.mapl_vq_sync_rows, vq_sync_tolerance=args.mapl_vq_sync_tolerance,

@@ -7,7 +7,9 @@
                positions p too, so position information need not take up wire width)
 
 Both stages of the boundary hold a replica of this module (same seed, same
-initial values). U is a float32 buffer: it is not seen by the regular
+initial values). The anchors start here as small seeded noise; by default the
+trainer then sets them from the model's input embedding on every rank
+(:mod:`megatron_taco.mapl.anchor_init`, ``--mapl-anchor-init``). U is a float32 buffer: it is not seen by the regular
 optimizer (no Adam, no weight decay) and is updated by
 :class:`~megatron_taco.mapl.stiefel.StiefelMomentumSGD` with the gradient
 summed over both replicas. E and B are ordinary parameters (trained by the

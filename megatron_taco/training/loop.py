@@ -31,6 +31,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron_taco.megatron.cpu_runtime import cpu_config_overrides, enable_cpu_runtime
 from megatron_taco.config.mapl import MaplConfig, MaplConfigError
 from megatron_taco.config.taco import TacoConfig
+from megatron_taco.mapl.anchor_init import start_anchors_from_embedding
 from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stage import MaplStage, MaplSync, ScheduleView
 from megatron_taco.mapl.vq import ResidualVQ, packed_width
@@ -162,6 +163,8 @@ class Trainer:
         self._mapl_stages: list = []
         if cfg.mapl is not None:
             chunks = [self._wrap_mapl(chunk, vp or 0) for vp, chunk in enumerate(chunks)]
+            if cfg.mapl.anchor_init == "embedding" and cfg.mapl.anchor_rank > 0:  # before half casts and optimizer
+                start_anchors_from_embedding([stage.module for stage in self._mapl_stages], self.mapl_boundaries)
         self.taco_layers = attach_taco(chunks, cfg.taco) if cfg.taco is not None else {}
         if cfg.taco is not None:
             TELEMETRY.error_sample_interval = cfg.taco.error_sample_interval
