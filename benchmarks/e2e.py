@@ -34,6 +34,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -154,13 +155,17 @@ def _timed_run(cfg: TrainConfig, model_name: str, variant: str, steps: int, warm
     return dict(model=model_name, variant=variant, step_s=step_s, tokens_per_s=tokens / step_s, split=split)
 
 
+def tp_config(shape: ModelShape, micro_batches: int, taco: Optional[TacoConfig] = None) -> TrainConfig:
+    """The TP=2 + SP throughput layout: bf16, micro-batch 1 x ``micro_batches`` per step."""
+    return TrainConfig(shape, tensor_parallel=2, sequence_parallel=True, micro_batch_size=1,
+                       num_microbatches=micro_batches, dtype="bf16", lr=1e-4, taco=taco)
+
+
 def _throughput_worker(steps: int, warmup: int, micro_batches: int, forced: bool):
     # the baseline again at the end (A-B-A): the first model trained in a process may run at another speed
     variants = [("baseline", None), ("TACO auto", TACO_AUTO)] + ([("TACO forced", TACO_FORCED)] if forced else []) + [
         ("baseline, again after TACO", None)]
-    return [_timed_run(TrainConfig(shape, tensor_parallel=2, sequence_parallel=True, micro_batch_size=1,
-                                   num_microbatches=micro_batches, dtype="bf16", lr=1e-4, taco=taco),
-                       model_name, variant, steps, warmup)
+    return [_timed_run(tp_config(shape, micro_batches, taco), model_name, variant, steps, warmup)
             for model_name, shape in THROUGHPUT_MODELS.items() for variant, taco in variants]
 
 

@@ -50,22 +50,30 @@ VARIANTS = {name: ALL_VARIANTS[name] for name in (  # this study's rows, in repo
 WINDOW = 50  # steps averaged for each point of the gap table
 
 
-def _worker(names, steps: int, seeds: int):
-    """{variant: {seed: curve}}; seed s changes the initialisation and the order of the training data."""
+def study_run(mapl, seed: int, steps: int, after_step=None) -> dict:
+    """One run of the study's model: ``steps`` steps on stdlib text, then the validation loss.
+
+    Seed s changes the initialisation and the order of the training data; ``after_step(trainer, step)``, if
+    given, runs after every step (for experiments that act on the trainer between steps).
+    """
     train_files, valid_files = stdlib_text_files()
-    results = {}
-    for name in names:
-        for seed in range(seeds):
-            cfg = TrainConfig(MODEL, pipeline_parallel=2, micro_batch_size=8, num_microbatches=2, lr=2e-3,
-                              seed=1234 + seed, mapl=VARIANTS[name])
-            trainer = Trainer(cfg)
-            train = byte_text_batches(train_files, MODEL.seq_length, 8, seed=1 + seed)
-            start = time.time()
-            losses = [trainer.train_step(train)["loss"] for _ in range(steps)]
-            valid = trainer.evaluate(byte_text_batches(valid_files, MODEL.seq_length, 8, seed=2), 10)
-            trainer.close()
-            results.setdefault(name, {})[seed] = dict(train=losses, valid=valid, seconds=time.time() - start)
-    return results
+    trainer = Trainer(TrainConfig(MODEL, pipeline_parallel=2, micro_batch_size=8, num_microbatches=2, lr=2e-3,
+                                  seed=1234 + seed, mapl=mapl))
+    train = byte_text_batches(train_files, MODEL.seq_length, 8, seed=1 + seed)
+    start = time.time()
+    losses = []
+    for step in range(steps):
+        losses.append(trainer.train_step(train)["loss"])
+        if after_step is not None:
+            after_step(trainer, step)
+    valid = trainer.evaluate(byte_text_batches(valid_files, MODEL.seq_length, 8, seed=2), 10)
+    trainer.close()
+    return dict(train=losses, valid=valid, seconds=time.time() - start)
+
+
+def _worker(names, steps: int, seeds: int):
+    """{variant: {seed: curve}}."""
+    return {name: {seed: study_run(VARIANTS[name], seed, steps) for seed in range(seeds)} for name in names}
 
 
 def main() -> None:

@@ -4,8 +4,9 @@
 
 The MAPL loss gap forms in the first ~100 steps (``mapl_cpu_study_seeds.md``), when U is still the random
 start. This tries the obvious fix on the model of ``mapl_cpu_study.py`` at 8x (anchor rank 64, position
-anchors): the sending stage accumulates the second moment C = E[x x^T] of what it projects, x = h - a(t, p),
-and after a step sets U to C's top-r eigenvectors, broadcast to the receiving replica (momentum reset);
+anchors, anchors starting from noise as when this was measured): the sending stage accumulates the second
+moment C = E[x x^T] of what it projects, x = h - a(t, p), and after a step sets U to C's top-r eigenvectors,
+broadcast to the receiving replica (momentum reset);
 *once* does it after step 1, *tracking* after each of the first 100 steps with C an EMA (decay 0.9), after
 which the Riemannian optimizer continues. Reported against the default MAPL 8x run of the same seed. The
 sender's statistics come from wrapping ``BoundaryCodec.project`` (an experiment, not a product path).
@@ -26,15 +27,14 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from mapl_cpu_study import MODEL  # noqa: E402
+from mapl_cpu_study import study_run  # noqa: E402
 
 from megatron_taco.config.mapl import MaplConfig  # noqa: E402
 from megatron_taco.mapl.boundary import BoundaryCodec  # noqa: E402
 from megatron_taco.testing.distributed import run_distributed  # noqa: E402
-from megatron_taco.training.data import byte_text_batches, stdlib_text_files  # noqa: E402
-from megatron_taco.training.loop import TrainConfig, Trainer  # noqa: E402
+from megatron_taco.training.loop import Trainer  # noqa: E402
 
-MAPL = MaplConfig(ratio=8, anchor_rank=64, position_anchors=True)
+MAPL = MaplConfig(ratio=8, anchor_rank=64, position_anchors=True, anchor_init="random")  # as measured
 VARIANTS = {"MAPL 8x (random start)": 0, "PCA start once (after step 1)": 1,
             "PCA tracking for 100 steps (EMA 0.9)": 100}  # name: steps after which U is reset to the PCA
 EMA_DECAY = 0.9
@@ -79,20 +79,14 @@ def _worker(pca_steps: int, steps: int, seed: int) -> dict:
     moments: dict = {}
     ema: dict = {}
     _record_second_moments(moments)
-    train_files, valid_files = stdlib_text_files()
-    trainer = Trainer(TrainConfig(MODEL, pipeline_parallel=2, micro_batch_size=8, num_microbatches=2, lr=2e-3,
-                                  seed=1234 + seed, mapl=MAPL))
-    train = byte_text_batches(train_files, MODEL.seq_length, 8, seed=1 + seed)
-    losses = []
-    for step in range(steps):
-        losses.append(trainer.train_step(train)["loss"])
+
+    def after_step(trainer: Trainer, step: int) -> None:
         if step < pca_steps:
             _reset_to_pca(trainer, moments, ema)
         else:
             moments.clear()
-    valid = trainer.evaluate(byte_text_batches(valid_files, MODEL.seq_length, 8, seed=2), 10)
-    trainer.close()
-    return dict(train=losses, valid=valid)
+
+    return study_run(MAPL, seed, steps, after_step)
 
 
 def main() -> None:

@@ -21,19 +21,18 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from e2e import CUPTI_TEARDOWN, THROUGHPUT_MODELS, _gpu_time_split, _median_step_s  # noqa: E402
+from e2e import CUPTI_TEARDOWN, THROUGHPUT_MODELS, _gpu_time_split, _median_step_s, tp_config  # noqa: E402
 
 from megatron_taco.testing.distributed import run_distributed  # noqa: E402
 from megatron_taco.training.data import synthetic_batches  # noqa: E402
-from megatron_taco.training.loop import TrainConfig, Trainer  # noqa: E402
+from megatron_taco.training.loop import Trainer  # noqa: E402
 
 SETTINGS = {"Kineto defaults": {}, "TEARDOWN_CUPTI=1": CUPTI_TEARDOWN}
 
 
 def _worker(steps: int, warmup: int) -> dict:
     model_name, shape = next(iter(THROUGHPUT_MODELS.items()))
-    trainer = Trainer(TrainConfig(shape, tensor_parallel=2, sequence_parallel=True, micro_batch_size=1,
-                                  num_microbatches=2, dtype="bf16", lr=1e-4))
+    trainer = Trainer(tp_config(shape, micro_batches=2))
     data = synthetic_batches(shape.vocab_size, shape.seq_length, 1, seed=1)
     before = [_median_step_s(trainer, data, steps, warmup) for _ in range(2)]
     split = _gpu_time_split(trainer, data)

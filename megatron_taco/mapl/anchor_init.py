@@ -46,11 +46,11 @@ def _embedding_tables(first_chunk: torch.nn.Module, with_positions: bool) -> tor
 
 def _factors(tables: torch.Tensor, vocab: int, rank: int) -> List[torch.Tensor]:
     """[E, P, B] with E P stacked as ``tables`` V_k and B = V_k^T (zero rows where k > the tables' rank)."""
-    gram = tables.double().T @ tables.double()
-    eigenvectors = torch.linalg.eigh(gram)[1].flip(-1)[:, :rank]  # descending eigenvalues
+    tables = tables.double()
+    eigenvectors = torch.linalg.eigh(tables.T @ tables)[1].flip(-1)[:, :rank]  # descending eigenvalues
     basis = torch.zeros(rank, tables.shape[1], dtype=torch.float64, device=tables.device)
     basis[: eigenvectors.shape[1]] = eigenvectors.T
-    coefficients = tables.double() @ basis.T
+    coefficients = tables @ basis.T
     return [coefficients[:vocab].float(), coefficients[vocab:].float(), basis.float()]
 
 
