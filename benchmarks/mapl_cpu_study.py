@@ -21,11 +21,11 @@ import time
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from mapl_variants import VARIANTS as ALL_VARIANTS  # noqa: E402
+from mapl_variants import VARIANTS as ALL_VARIANTS, make_trainer  # noqa: E402
 
 from megatron_taco.testing.distributed import run_distributed  # noqa: E402
 from megatron_taco.training.data import byte_text_batches, stdlib_text_files  # noqa: E402
-from megatron_taco.training.loop import TrainConfig, Trainer  # noqa: E402
+from megatron_taco.training.loop import TrainConfig  # noqa: E402
 from megatron_taco.training.model import ModelShape  # noqa: E402
 
 MODEL = ModelShape(num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512, vocab_size=256,
@@ -46,6 +46,11 @@ VARIANTS = {name: ALL_VARIANTS[name] for name in (  # this study's rows, in repo
     "MAPL 8x, anchor rank 64, position anchors, anchors from the embedding",
     "MAPL 16x, anchor rank 64, position anchors, anchors from the embedding",
     "MAPL 8x, anchor rank 128, position anchors, anchors from the embedding",
+    "MAPL 8x, anchor rank 128, position anchors, anchors from the embedding, 1 context token",
+    "MAPL 8x, anchor rank 128, position anchors, anchors from the embedding, 3 context tokens",
+    "MAPL 8x, anchor rank 64, position anchors, anchors from the embedding, 3 context tokens",
+    "MAPL 16x, anchor rank 64, position anchors, anchors from the embedding, 3 context tokens",
+    "uncompressed + MAPL's anchors (rank 128, positions, 3 context tokens), no compression",
 )}
 WINDOW = 50  # steps averaged for each point of the gap table
 
@@ -57,8 +62,8 @@ def study_run(mapl, seed: int, steps: int, after_step=None) -> dict:
     given, runs after every step (for experiments that act on the trainer between steps).
     """
     train_files, valid_files = stdlib_text_files()
-    trainer = Trainer(TrainConfig(MODEL, pipeline_parallel=2, micro_batch_size=8, num_microbatches=2, lr=2e-3,
-                                  seed=1234 + seed, mapl=mapl))
+    trainer = make_trainer(TrainConfig(MODEL, pipeline_parallel=2, micro_batch_size=8, num_microbatches=2, lr=2e-3,
+                                       seed=1234 + seed, mapl=mapl))
     train = byte_text_batches(train_files, MODEL.seq_length, 8, seed=1 + seed)
     start = time.time()
     losses = []

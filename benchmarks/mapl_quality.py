@@ -4,16 +4,21 @@
 
 Variants: uncompressed; MAPL at 2x, 4x, 8x, 16x (learned U + token anchors);
 the SSN-style baseline (a fixed random orthogonal projection, no anchors) at
-8x; MAPL 8x + residual VQ; MAPL 8x at two other manifold learning rates; MAPL 8x
-and 16x with anchor rank 64.
+8x; MAPL 8x + residual VQ; MAPL 8x at two other manifold learning rates; later
+rows with other anchor settings (``mapl_variants.py``).
 Data: the Python standard library's sources, byte-level; validation on
 held-out files. Writes mapl_quality.md, mapl_quality.json and a loss-curve PNG,
 rewritten after every variant (a cut-short run leaves a valid partial report).
+``--parallel N`` trains N variants at once, each on both GPUs (the model is too
+small to keep the GPUs busy).
+``--lr-decay-style cosine --lr-warmup-iters W`` runs Megatron's schedule (the
+manifold learning rate follows it) for studies of longer runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import datetime
 import json
 import os
@@ -29,7 +34,7 @@ from mapl_variants import VARIANTS as ALL_VARIANTS  # noqa: E402
 
 from megatron_taco.testing.distributed import run_distributed  # noqa: E402
 from megatron_taco.training.data import byte_text_batches, stdlib_text_files  # noqa: E402
-from megatron_taco.training.loop import TrainConfig, Trainer  # noqa: E402
+from megatron_taco.training.loop import LR_DECAY_STYLES, TrainConfig, Trainer  # noqa: E402
 from megatron_taco.training.model import ModelShape  # noqa: E402
 
 MODEL = ModelShape(num_layers=8, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048, vocab_size=256,
@@ -50,28 +55,33 @@ VARIANTS = {name: ALL_VARIANTS[name] for name in (  # this study's rows, in repo
     "MAPL 16x, anchor rank 64, position anchors",
     "MAPL 8x, anchor rank 64, position anchors, anchors from the embedding",
     "MAPL 16x, anchor rank 64, position anchors, anchors from the embedding",
+    "MAPL 8x, anchor rank 256 (= vocab), position anchors, anchors from the embedding",
+    "MAPL 16x, anchor rank 256 (= vocab), position anchors, anchors from the embedding",
+    "MAPL 8x, anchor rank 256 (= vocab), position anchors, anchors from the embedding, 1 context token",
+    "MAPL 8x, anchor rank 256 (= vocab), position anchors, anchors from the embedding, 3 context tokens",
+    "MAPL 16x, anchor rank 256 (= vocab), position anchors, anchors from the embedding, 3 context tokens",
+    "MAPL 8x, anchor rank 64, position anchors, anchors from the embedding, 3 context tokens",
+    "MAPL 16x, anchor rank 64, position anchors, anchors from the embedding, 3 context tokens",
 )}
 
 
-def _worker(args: argparse.Namespace):
-    steps, eval_iters, micro_batches = args.steps, args.eval_iters, args.micro_batches
+def _train_variant(args: argparse.Namespace, name: str) -> dict:
+    """One variant on 2 GPUs: its training losses and final validation loss (progress on rank 0's stdout)."""
     train_files, valid_files = stdlib_text_files()
-    results = {}
-    for name, mapl in VARIANTS.items():
-        if args.variants and name not in args.variants.split(";"):
-            continue
-        cfg = TrainConfig(MODEL, pipeline_parallel=2, micro_batch_size=4, num_microbatches=micro_batches,
-                          dtype="bf16", lr=1e-3, seed=1234, mapl=mapl)
-        trainer = Trainer(cfg)
-        train = byte_text_batches(train_files, MODEL.seq_length, 4, seed=1)
-        losses = [trainer.train_step(train)["loss"] for _ in range(steps)]
-        valid = trainer.evaluate(byte_text_batches(valid_files, MODEL.seq_length, 4, seed=2), eval_iters)
-        trainer.close()
-        results[name] = dict(train=losses, valid=valid)
-        if dist.get_rank() == 0:
-            print(f"  {name}: train {sum(losses[-20:]) / 20:.4f} valid {valid:.4f}", flush=True)
-            _write(args, results)
-    return results
+    cfg = TrainConfig(MODEL, pipeline_parallel=2, micro_batch_size=4, num_microbatches=args.micro_batches,
+                      dtype="bf16", lr=1e-3, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
+                      lr_decay_style=args.lr_decay_style, lr_decay_iters=args.steps, seed=1234, mapl=VARIANTS[name])
+    trainer = Trainer(cfg)
+    train = byte_text_batches(train_files, MODEL.seq_length, 4, seed=1)
+    losses = []
+    for step in range(1, args.steps + 1):
+        losses.append(trainer.train_step(train)["loss"])
+        if step % args.log_interval == 0 and dist.get_rank() == 0:
+            print(f"  {name}: step {step}/{args.steps}, train loss (20-step mean) {sum(losses[-20:]) / 20:.4f}",
+                  flush=True)
+    valid = trainer.evaluate(byte_text_batches(valid_files, MODEL.seq_length, 4, seed=2), args.eval_iters)
+    trainer.close()
+    return dict(train=losses, valid=valid)
 
 
 def main() -> None:
@@ -81,10 +91,30 @@ def main() -> None:
     parser.add_argument("--eval-iters", type=int, default=20)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--variants", default="", help="';'-separated subset of the variant names (default: all)")
+    parser.add_argument("--lr-warmup-iters", type=int, default=0)
+    parser.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="constant",
+                        help="decay of the learning rate (Adam's and the manifold's) over --steps")
+    parser.add_argument("--min-lr", type=float, default=0.0)
+    parser.add_argument("--parallel", type=int, default=1,
+                        help="variants trained at the same time, each on both GPUs (the small model leaves them idle)")
+    parser.add_argument("--log-interval", type=int, default=250, help="steps between progress lines")
     args = parser.parse_args()
+    names = [name for name in VARIANTS if not args.variants or name in args.variants.split(";")]
+    unknown = set(args.variants.split(";")) - set(VARIANTS) if args.variants else set()
+    if unknown:
+        parser.error(f"--variants: unknown names {sorted(unknown)}; choose from {list(VARIANTS)}")
     os.environ["TACO_TEST_START_METHOD"] = "spawn"
     os.makedirs(args.out_dir, exist_ok=True)
-    run_distributed(_worker, 2, args, backend="nccl", timeout=1500)
+    results = {}
+    with concurrent.futures.ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        futures = {pool.submit(run_distributed, _train_variant, 2, args, name, backend="nccl", timeout=3600): name
+                   for name in names}
+        for future in concurrent.futures.as_completed(futures):
+            name = futures[future]
+            results[name] = future.result()[0]
+            print(f"  {name}: train {sum(results[name]['train'][-20:]) / 20:.4f} valid {results[name]['valid']:.4f}",
+                  flush=True)
+            _write(args, {n: results[n] for n in names if n in results})  # report order = variant order
 
 
 def _write(args: argparse.Namespace, results: dict) -> None:
@@ -98,13 +128,15 @@ def _write(args: argparse.Namespace, results: dict) -> None:
         "# MAPL quality: PP=2, learned Stiefel projections vs a fixed one",
         "",
         f"- Command: `python benchmarks/mapl_quality.py --out-dir {args.out_dir} --steps {args.steps} "
-        f"--eval-iters {args.eval_iters} --micro-batches {args.micro_batches}"
-        + (f" --variants '{args.variants}'" if args.variants else "") + "`",
+        f"--eval-iters {args.eval_iters} --micro-batches {args.micro_batches} --lr-warmup-iters "
+        f"{args.lr_warmup_iters} --lr-decay-style {args.lr_decay_style} --min-lr {args.min_lr:g} "
+        f"--parallel {args.parallel}" + (f" --variants '{args.variants}'" if args.variants else "") + "`",
         f"- Variants run: {len(results)} of {len(VARIANTS)}"
         + ("" if len(results) == len(VARIANTS) else " (cut short, or a subset was asked for)"),
         f"- Date: {datetime.date.today().isoformat()}; 2 x {props.name}; torch {torch.__version__}",
         f"- Model: GPT {MODEL.num_layers} layers, hidden {MODEL.hidden_size}, FFN {MODEL.ffn_hidden_size}, "
-        f"seq {MODEL.seq_length}, byte-level vocab; PP=2 (one boundary), bf16, Adam lr 1e-3, "
+        f"seq {MODEL.seq_length}, byte-level vocab; PP=2 (one boundary), bf16, Adam lr 1e-3 "
+        f"({_schedule(args)}), "
         f"{args.micro_batches} micro-batches of 4 per step, {args.steps} steps; manifold lr 0.01, momentum 0.9, "
         "anchor rank 16 unless the row says otherwise; VQ: EMA decay 0.9, every changed code word synced. "
         "Data: Python stdlib sources; validation on held-out files.",
@@ -123,6 +155,14 @@ def _write(args: argparse.Namespace, results: dict) -> None:
                      f"{100 * (res['valid'] / base - 1):+.2f}% |")
     with open(os.path.join(args.out_dir, "mapl_quality.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
+
+
+def _schedule(args: argparse.Namespace) -> str:
+    if args.lr_decay_style == "constant" and not args.lr_warmup_iters:
+        return "constant"
+    return (f"{args.lr_warmup_iters} warm-up steps, " if args.lr_warmup_iters else "") + (
+        f"{args.lr_decay_style} decay to {args.min_lr:g} at step {args.steps}; the manifold lr follows the same factor"
+        if args.lr_decay_style != "constant" else "then constant")
 
 
 def _plot(results, path) -> None:

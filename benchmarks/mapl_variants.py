@@ -6,9 +6,50 @@ anchors and the embedding start of the anchors became the defaults keep both off
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Optional
 
+import torch
+
 from megatron_taco.config.mapl import MaplConfig
+from megatron_taco.mapl.boundary import BoundaryCodec
+from megatron_taco.training.loop import TrainConfig, Trainer
+
+
+@dataclasses.dataclass(frozen=True)
+class AnchorsWithoutCompression(MaplConfig):
+    """Study baseline, not a compression: the uncompressed model given MAPL's anchor tables.
+
+    Full width (r = d, so U U^T = I) and nothing subtracted before the wire: the receiving stage gets
+    h + a(t, p, context), where MAPL gives U U^T h + (I - U U^T) a. The token and position tables start at zero
+    (h already holds the embedding), the basis from the embedding, the context tables at zero as in MAPL. Rows
+    with context anchors against this one measure what the compression costs when both models have the same
+    n-gram features.
+    """
+
+
+class _AddedAnchorsCodec(BoundaryCodec):
+    def project(self, hidden, tokens, positions=None, previous=None):
+        return (hidden.float() @ self.projection).to(hidden.dtype)
+
+
+class _AddedAnchorsTrainer(Trainer):
+    boundary_codec = _AddedAnchorsCodec
+
+    def __init__(self, cfg: TrainConfig) -> None:
+        super().__init__(cfg)
+        if cfg.dtype != "fp32":  # half precision keeps separate fp32 main weights that zeroing here would miss
+            raise ValueError("the anchors-without-compression baseline runs in fp32 only")
+        with torch.no_grad():
+            for boundary in self.mapl_boundaries:
+                boundary.anchor_embedding.zero_()
+                if boundary.positions:
+                    boundary.anchor_position.zero_()
+
+
+def make_trainer(cfg: TrainConfig) -> Trainer:
+    """The trainer for a study row: the product's, or the baseline's for :class:`AnchorsWithoutCompression`."""
+    return (_AddedAnchorsTrainer if isinstance(cfg.mapl, AnchorsWithoutCompression) else Trainer)(cfg)
 
 
 def _earlier(**settings) -> MaplConfig:
@@ -41,4 +82,26 @@ VARIANTS: Dict[str, Optional[MaplConfig]] = {
         ratio=8, anchor_rank=128, position_anchors=True, anchor_init="embedding"),
     "MAPL 16x, anchor rank 64, position anchors, anchors from the embedding": MaplConfig(
         ratio=16, anchor_rank=64, position_anchors=True, anchor_init="embedding"),
+    # the GPU model's byte vocabulary has 256 tokens: at k = 256 the anchors start as the whole token table
+    "MAPL 8x, anchor rank 256 (= vocab), position anchors, anchors from the embedding": MaplConfig(
+        ratio=8, anchor_rank=256, position_anchors=True, anchor_init="embedding"),
+    "MAPL 16x, anchor rank 256 (= vocab), position anchors, anchors from the embedding": MaplConfig(
+        ratio=16, anchor_rank=256, position_anchors=True, anchor_init="embedding"),
+    "MAPL 8x, anchor rank 64, position anchors, anchors from the embedding, 3 context tokens": MaplConfig(
+        ratio=8, anchor_rank=64, position_anchors=True, anchor_init="embedding", context_anchors=3),
+    "MAPL 16x, anchor rank 64, position anchors, anchors from the embedding, 3 context tokens": MaplConfig(
+        ratio=16, anchor_rank=64, position_anchors=True, anchor_init="embedding", context_anchors=3),
+    "uncompressed + MAPL's anchors (rank 128, positions, 3 context tokens), no compression":
+        AnchorsWithoutCompression(ratio=1, anchor_rank=128, position_anchors=True, anchor_init="embedding",
+                                  context_anchors=3),
+    "MAPL 8x, anchor rank 128, position anchors, anchors from the embedding, 1 context token": MaplConfig(
+        ratio=8, anchor_rank=128, position_anchors=True, anchor_init="embedding", context_anchors=1),
+    "MAPL 8x, anchor rank 128, position anchors, anchors from the embedding, 3 context tokens": MaplConfig(
+        ratio=8, anchor_rank=128, position_anchors=True, anchor_init="embedding", context_anchors=3),
+    "MAPL 8x, anchor rank 256 (= vocab), position anchors, anchors from the embedding, 1 context token": MaplConfig(
+        ratio=8, anchor_rank=256, position_anchors=True, anchor_init="embedding", context_anchors=1),
+    "MAPL 8x, anchor rank 256 (= vocab), position anchors, anchors from the embedding, 3 context tokens":
+        MaplConfig(ratio=8, anchor_rank=256, position_anchors=True, anchor_init="embedding", context_anchors=3),
+    "MAPL 16x, anchor rank 256 (= vocab), position anchors, anchors from the embedding, 3 context tokens":
+        MaplConfig(ratio=16, anchor_rank=256, position_anchors=True, anchor_init="embedding", context_anchors=3),
 }

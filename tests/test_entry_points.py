@@ -74,13 +74,16 @@ def test_trainer_trains_with_taco_and_resumes_to_the_same_losses(config, tmp_pat
     assert straight[-1] < straight[0]
 
 
-@pytest.mark.parametrize("mapl", [["--mapl-ratio", "4"], ["--mapl-ratio", "4", "--mapl-vq-levels", "2",
+@pytest.mark.parametrize("mapl", [["--mapl-ratio", "4", "--mapl-context-anchors", "1"],
+                                  ["--mapl-ratio", "4", "--mapl-vq-levels", "2",
                                                            "--mapl-vq-codes", "32", "--mapl-vq-sync-rows", "8"]],
-                         ids=["mapl", "mapl-vq"])
+                         ids=["mapl-context-anchors", "mapl-vq"])
 def test_trainer_trains_pp2_with_mapl_and_resumes(mapl, tmp_path):
     path = os.path.join(ROOT, "configs", "gpt-tiny.yaml")
     common = ["--config", path, "--tensor-model-parallel-size", "1", "--no-sequence-parallel",
-              "--pipeline-model-parallel-size", "2", "--taco-mode", "none", *mapl]
+              "--pipeline-model-parallel-size", "2", "--taco-mode", "none", *mapl,
+              # the schedule's step count must come back too (warm-up then cosine decay over the 4 steps)
+              "--lr-warmup-iters", "1", "--lr-decay-style", "cosine", "--lr-decay-iters", "4"]
     straight = run_distributed(_train_cli, 2, common + ["--train-iters", "4"], timeout=180)[0]
     run_distributed(_train_cli, 2, common + ["--train-iters", "2", "--save", str(tmp_path)], timeout=180)
     resumed = run_distributed(_train_cli, 2, common + ["--train-iters", "4", "--load", str(tmp_path)], timeout=180)[0]
@@ -93,6 +96,7 @@ def test_trainer_trains_pp2_with_mapl_and_resumes(mapl, tmp_path):
         (["--taco-mode", "bogus"], "--taco-mode"),
         (["--mapl-ratio", "4"], "--pipeline-model-parallel-size > 1"),
         (["--sequence-parallel", "--tensor-model-parallel-size", "1"], "--sequence-parallel"),
+        (["--lr-decay-style", "cosine", "--lr-warmup-iters", "20", "--train-iters", "10"], "--lr-decay-iters 10"),
     ],
 )
 def test_bad_command_lines_fail_with_the_flag_named(argv, message):

@@ -57,12 +57,13 @@ def _train(mapl, steps, tp=1, pp=2, sp=False, count_p2p=False):
     projections = {b.boundary: b.projection.detach().clone() for b in trainer.mapl_boundaries}
     anchors = {b.boundary: b.anchor_basis.detach().clone() for b in trainer.mapl_boundaries if b.anchor_rank}
     position_anchors = {b.boundary: b.anchor_position.detach().clone() for b in trainer.mapl_boundaries if b.positions}
+    context_anchors = {b.boundary: b.anchor_context.detach().clone() for b in trainer.mapl_boundaries if b.context}
     in_optimizer = any(
         p is b.projection for b in trainer.mapl_boundaries for g in trainer.optimizer.param_groups for p in g["params"]
     )
     trainer.close()
     return dict(losses=losses, projections=projections, anchors=anchors, position_anchors=position_anchors,
-                shapes=shapes, in_optimizer=in_optimizer)
+                context_anchors=context_anchors, shapes=shapes, in_optimizer=in_optimizer)
 
 
 def test_wire_carries_r_wide_tensors_forward_and_backward():
@@ -227,8 +228,66 @@ def test_position_anchors_are_exact_and_depend_on_the_position():
     assert without.positions == 0, "position anchors share the token anchors' basis: none without anchors"
 
 
+def test_context_anchors_are_exact_and_see_the_previous_tokens():
+    """a = (E[t_i] + C_1[t_(i-1)] + C_2[t_(i-2)]) B, with row V standing for "before the start": h = a + z U^T
+    goes through project / reconstruct unchanged (fp32, bound 1e-5 relative to |h|, float64 reference)."""
+    vocab, seq = 50, 16
+    codec = BoundaryCodec(hidden_size=64, rank=8, vocab_size=vocab, anchor_rank=16, seed=3, boundary=0, context=2)
+    assert codec.anchor_context.shape == (2, vocab + 1, 16) and not codec.anchor_context.any(), "zero start"
+    with torch.no_grad():
+        codec.anchor_context.normal_(0, 1.0)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, vocab, (2, seq), generator=gen)  # [b, s], as the data iterator gives them
+    tokens = ids.T
+    before = lambda j: torch.cat([torch.full((2, j), vocab), ids[:, :seq - j]], dim=1).T  # noqa: E731
+    previous = torch.stack([before(1), before(2)])
+    z = torch.randn(seq, 2, 8, generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        coefficients = codec.anchor_embedding[tokens].double() + sum(
+            codec.anchor_context[j].double()[previous[j]] for j in range(2))
+        hidden = coefficients @ codec.anchor_basis.double() + z @ codec.projection.double().T
+        rebuilt = codec.reconstruct(codec.project(hidden.float(), tokens, None, previous), tokens, torch.float32,
+                                    None, previous)
+        assert float((rebuilt.double() - hidden).norm() / hidden.norm()) <= 1e-5
+        shifted = codec.reconstruct(torch.zeros(seq, 2, 8), tokens, torch.float32, None, previous.roll(1, dims=1))
+        assert not torch.allclose(shifted, codec.reconstruct(torch.zeros(seq, 2, 8), tokens, torch.float32, None,
+                                                             previous))
+
+
+def _previous_tokens_under_sequence_parallelism(ids):
+    from types import SimpleNamespace
+
+    from megatron.core import parallel_state
+
+    from megatron_taco.mapl.stage import MaplStage
+    from megatron_taco.megatron.cpu_runtime import enable_cpu_runtime
+
+    enable_cpu_runtime()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
+    model = torch.nn.Identity()
+    model.config = SimpleNamespace(sequence_parallel=True)
+    codec = BoundaryCodec(hidden_size=8, rank=4, vocab_size=50, anchor_rank=4, seed=0, boundary=0, context=3)
+    previous = MaplStage(model, codec, None)._previous(ids)
+    parallel_state.destroy_model_parallel()
+    return previous
+
+
+def test_context_tokens_cross_the_sequence_parallel_split():
+    """Each TP rank gets the previous tokens of its own sequence shard, its first rows included (their
+    predecessors sit in the other rank's shard)."""
+    ids = torch.arange(16).reshape(2, 8) + 10  # [b, s]
+    shards = run_distributed(_previous_tokens_under_sequence_parallelism, 2, ids, timeout=60)
+    for rank, previous in enumerate(shards):
+        assert previous.shape == (3, 4, 2)  # [n, s / tp, b]
+        for j in range(1, 4):
+            for i in range(4):
+                position = rank * 4 + i
+                expected = ids[:, position - j] if position >= j else torch.full((2,), 50)
+                assert torch.equal(previous[j - 1, i], expected), (rank, j, i)
+
+
 def test_position_anchors_train_identically_on_both_sides_under_sequence_parallelism():
-    mapl = MaplConfig(ratio=4, position_anchors=True)
+    mapl = MaplConfig(ratio=4, position_anchors=True, context_anchors=2)  # context tables: the same path
     results = run_distributed(_train, 4, mapl, 15, 2, 2, True, timeout=300)
     assert results[0]["losses"][-1] < results[0]["losses"][0]
     holders = [r for r in range(4) if 0 in results[r]["position_anchors"]]
@@ -236,6 +295,9 @@ def test_position_anchors_train_identically_on_both_sides_under_sequence_paralle
     first = results[holders[0]]["position_anchors"][0]
     assert first.shape == (TINY_GPT.seq_length, 64)
     assert all(torch.equal(results[r]["position_anchors"][0], first) for r in holders[1:])
+    context = results[holders[0]]["context_anchors"][0]
+    assert context.shape == (2, TINY_GPT.padded_vocab_size(2) + 1, 64) and context.abs().sum() > 0, "trained"
+    assert all(torch.equal(results[r]["context_anchors"][0], context) for r in holders[1:])
 
 
 def _train_interleaved(steps):
@@ -328,6 +390,11 @@ def _parse(argv):
         (["--mapl-ratio", "4", "--mapl-vq-levels", "2", "--mapl-vq-sync-tolerance", "-1"],
          "--mapl-vq-sync-tolerance"),
         (["--mapl-ratio", "4", "--mapl-position-anchors", "on", "--mapl-anchor-rank", "0"], "--mapl-position-anchors"),
+        (["--mapl-ratio", "4", "--mapl-context-anchors", "-1"], "--mapl-context-anchors: invalid value -1"),
+        (["--mapl-ratio", "4", "--mapl-context-anchors", "2", "--mapl-anchor-rank", "0"],
+         "--mapl-context-anchors needs token anchors"),
+        (["--mapl-ratio", "4", "--mapl-context-anchors", "2", "--mapl-fixed-projection"],
+         "--mapl-context-anchors needs token anchors"),
     ],
 )
 def test_invalid_mapl_flags_name_the_flag(argv, flag):
@@ -340,6 +407,7 @@ def test_invalid_mapl_flags_name_the_flag(argv, flag):
     (["--mapl-anchor-rank", "4", "--mapl-fixed-projection"], "--mapl-anchor-rank, --mapl-fixed-projection"),
     (["--mapl-position-anchors", "off"], "--mapl-position-anchors"),
     (["--mapl-anchor-init", "random"], "--mapl-anchor-init"),
+    (["--mapl-context-anchors", "1"], "--mapl-context-anchors"),
 ])
 def test_mapl_flags_without_a_rank_are_rejected(argv, named):
     with pytest.raises(MaplConfigError, match=f"{named} given without --mapl-ratio"):

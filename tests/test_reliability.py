@@ -17,6 +17,9 @@ from megatron_taco.training.data import synthetic_batches
 from megatron_taco.training.loop import TrainConfig, Trainer
 
 TACO = TacoConfig(default=LinearSettings(mode="fp8-ash"), min_bytes=0)
+NEEDS_TWO_GPUS_FOR_FP16 = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs 2 CUDA GPUs: megatron-core's fp16 optimizer takes CUDA tensors only")
 
 
 def _losses(taco, mapl, tp, pp, sp, steps=5, dtype="fp32"):
@@ -138,8 +141,7 @@ def _fp16_skips(taco, inject_at, steps=8):
     return history
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                    reason="needs 2 CUDA GPUs: megatron-core's fp16 optimizer takes CUDA tensors only")
+@NEEDS_TWO_GPUS_FOR_FP16
 def test_fp16_overflow_in_a_compressed_gradient_skips_the_step_like_uncompressed(monkeypatch):
     monkeypatch.setenv("TACO_TEST_START_METHOD", "spawn")  # CUDA cannot be used in forked children
     plain = run_distributed(_fp16_skips, 2, None, 3, backend="nccl", timeout=300)[0]
@@ -150,3 +152,34 @@ def test_fp16_overflow_in_a_compressed_gradient_skips_the_step_like_uncompressed
     assert not any(skipped[4:]), "training must go on after the skip"
     assert [scale for _, _, scale in taco] == [scale for _, _, scale in plain], "same loss-scale history"
     assert all(abs(loss) < 100 for _, loss, _ in taco[4:])
+
+
+def _mapl_projection_moves(dtype, steps=12):
+    """Per step: skipped?, how far U moved, U finite? (PP=2, MAPL 4x; fp16 starts at a loss scale that overflows)."""
+    cfg = TrainConfig(TINY_GPT, pipeline_parallel=2, dtype=dtype, mapl=MaplConfig(ratio=4), initial_loss_scale=2.0**20)
+    trainer = Trainer(cfg)
+    data = synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, cfg.micro_batch_size, seed=3)
+    u = trainer.mapl_boundaries[0].projection
+    history = []
+    for _ in range(steps):
+        before = u.detach().clone()
+        stats = trainer.train_step(data)
+        history.append((stats["skipped"], float((u.detach() - before).norm()), bool(torch.isfinite(u).all())))
+    trainer.close()
+    return history
+
+
+@NEEDS_TWO_GPUS_FOR_FP16
+def test_fp16_loss_scale_reaches_neither_the_projection_step_nor_skipped_steps(monkeypatch):
+    """U is updated outside Megatron's optimizer: its gradient must be unscaled, and overflowed steps skipped."""
+    monkeypatch.setenv("TACO_TEST_START_METHOD", "spawn")  # CUDA cannot be used in forked children
+    fp16 = run_distributed(_mapl_projection_moves, 2, "fp16", backend="nccl", timeout=300)[0]
+    fp32 = run_distributed(_mapl_projection_moves, 2, "fp32", backend="nccl", timeout=300)[0]
+    assert all(finite for _, _, finite in fp16)
+    skipped = [moved for skip, moved, _ in fp16 if skip]
+    applied = [moved for skip, moved, _ in fp16 if not skip]
+    assert skipped and applied, fp16  # 2^20 overflows fp16 at first; the scaler backs off and training goes on
+    assert all(moved == 0.0 for moved in skipped), "a skipped step must leave U as it was"
+    # the k-th applied step against the k-th fp32 step (same momentum history): the same size, not loss-scaled
+    for moved, reference in zip(applied, [moved for _, moved, _ in fp32]):
+        assert 0.5 * reference < moved < 2 * reference, (applied, fp32)

@@ -33,6 +33,8 @@ class MaplConfig:
     # (8x gap +3.4% against +5.6% from "random" on CPU, 3 seeds, every seed better; 16x +3.9% against +8.0%:
     # benchmarks/results/mapl_cpu_study_seeds.md)
     anchor_init: str = "embedding"
+    # anchors for the previous n tokens too, (E[t_i] + sum_j C_j[t_{i-j}] + P[p]) B (0: off)
+    context_anchors: int = 0
     lr: float = 0.01
     momentum: float = 0.9
     fixed_projection: bool = False
@@ -46,6 +48,11 @@ class MaplConfig:
         if self.anchor_init not in ANCHOR_INITS:
             raise MaplConfigError(f"--mapl-anchor-init: invalid value {self.anchor_init!r}; choose from "
                                   f"{', '.join(ANCHOR_INITS)}")
+        if self.context_anchors < 0:
+            raise MaplConfigError(f"--mapl-context-anchors: invalid value {self.context_anchors}; must be >= 0")
+        if self.context_anchors and (self.anchor_rank == 0 or self.fixed_projection):
+            raise MaplConfigError("--mapl-context-anchors needs token anchors (--mapl-anchor-rank > 0, no "
+                                  "--mapl-fixed-projection): the context tables share their basis")
 
     @property
     def uniform(self) -> bool:
@@ -103,6 +110,9 @@ def add_mapl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--mapl-anchor-init", choices=ANCHOR_INITS, default="embedding",
                        help="start of the anchors: embedding = the best rank-k approximation of the model's input "
                             "embedding (token and, with position anchors, position tables); random = small noise")
+    group.add_argument("--mapl-context-anchors", type=int, default=0,
+                       help="also anchor the previous N tokens, a = (E[t_i] + sum_j C_j[t_(i-j)] (+ P[p])) B, with "
+                            "the C_j learned from zero (0: off)")
     group.add_argument("--mapl-lr", type=float, default=0.01, help="learning rate of the manifold optimizer")
     group.add_argument("--mapl-momentum", type=float, default=0.9, help="momentum of the manifold optimizer")
     group.add_argument("--mapl-fixed-projection", action="store_true",
@@ -126,8 +136,8 @@ def mapl_config_from_args(args: argparse.Namespace) -> Optional[MaplConfig]:
     if not given:
         defaults = MaplConfig()
         orphans = [f"--mapl-{name.replace('_', '-')}" for name in
-                   ("anchor_rank", "lr", "momentum", "vq_levels", "vq_codes", "vq_decay", "vq_sync_rows",
-                    "vq_sync_tolerance") if getattr(args, f"mapl_{name}") != getattr(defaults, name)]
+                   ("anchor_rank", "context_anchors", "lr", "momentum", "vq_levels", "vq_codes", "vq_decay",
+                    "vq_sync_rows", "vq_sync_tolerance") if getattr(args, f"mapl_{name}") != getattr(defaults, name)]
         orphans += ["--mapl-fixed-projection"] if args.mapl_fixed_projection else []
         orphans += ["--mapl-position-anchors"] if args.mapl_position_anchors != "auto" else []
         orphans += ["--mapl-anchor-init"] if args.mapl_anchor_init != defaults.anchor_init else []
@@ -173,7 +183,7 @@ def mapl_config_from_args(args: argparse.Namespace) -> Optional[MaplConfig]:
         rank=args.mapl_rank, ratio=args.mapl_ratio, ranks=ranks,
         anchor_rank=0 if args.mapl_fixed_projection else args.mapl_anchor_rank,
         position_anchors={"auto": None, "on": True, "off": False}[args.mapl_position_anchors],
-        anchor_init=args.mapl_anchor_init,
+        anchor_init=args.mapl_anchor_init, context_anchors=args.mapl_context_anchors,
         lr=args.mapl_lr, momentum=args.mapl_momentum, fixed_projection=args.mapl_fixed_projection,
         vq_levels=args.mapl_vq_levels, vq_codes=args.mapl_vq_codes, vq_decay=args.mapl_vq_decay,
         vq_sync_rows=args.mapl_vq_sync_rows, vq_sync_tolerance=args.mapl_vq_sync_tolerance,

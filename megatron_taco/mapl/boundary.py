@@ -5,6 +5,9 @@
     anchors:   a(t)  = E[t] B,  E in R^{V x k},  B in R^{k x d}
                (+ P[p] B for models with learned absolute positions: the receiver knows the
                positions p too, so position information need not take up wire width)
+               (+ sum_j C_j[t_{i-j}] B, j = 1..n, with context anchors: the receiver knows the
+               whole sequence, so what the residual stream holds about the previous n tokens
+               can be added back too; C_j has a row V for "before the start")
 
 Both stages of the boundary hold a replica of this module (same seed, same
 initial values). The anchors start here as small seeded noise; by default the
@@ -45,11 +48,13 @@ class BoundaryCodec(torch.nn.Module):
         sequence_parallel: bool = False,
         vq: Optional[ResidualVQ] = None,
         positions: int = 0,
+        context: int = 0,
     ) -> None:
         super().__init__()
         self.boundary = boundary
         self.hidden_size, self.rank, self.anchor_rank = hidden_size, rank, anchor_rank
         self.positions = positions if anchor_rank > 0 else 0  # position anchors share the anchors' basis
+        self.context = context if anchor_rank > 0 else 0  # so do context anchors
         self.trainable = trainable
         gen = torch.Generator().manual_seed(seed * 7919 + boundary)
         projection = random_stiefel(hidden_size, rank, gen)
@@ -61,6 +66,9 @@ class BoundaryCodec(torch.nn.Module):
             if self.positions:
                 self.anchor_position = torch.nn.Parameter(torch.randn(positions, anchor_rank, generator=gen) * 0.02)
                 anchors.append(self.anchor_position)
+            if self.context:  # zero start: the previous tokens' share is learned (both replicas start equal)
+                self.anchor_context = torch.nn.Parameter(torch.zeros(self.context, vocab_size + 1, anchor_rank))
+                anchors.append(self.anchor_context)
             for param in anchors:
                 # with SP each TP rank sees other tokens: finalize_model_grads all-reduces these over TP
                 param.sequence_parallel = sequence_parallel
@@ -80,19 +88,22 @@ class BoundaryCodec(torch.nn.Module):
             owner._buffers[name.rpartition(".")[2]] = kept.requires_grad_(old.requires_grad)
         return self
 
-    def _anchors(self, tokens: torch.Tensor, positions: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """a(t, p) for tokens and positions [s, b] as fp32 [s, b, d], or None without anchors."""
+    def _anchors(self, tokens: torch.Tensor, positions: Optional[torch.Tensor],
+                 previous: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """a for tokens and positions [s, b] and previous tokens [n, s, b] as fp32 [s, b, d] (None: no anchors)."""
         if self.anchor_rank == 0:
             return None
         coefficients = self.anchor_embedding[tokens].float()
         if self.positions:
             coefficients = coefficients + self.anchor_position[positions].float()
+        for j in range(self.context):
+            coefficients = coefficients + self.anchor_context[j][previous[j]].float()
         return coefficients @ self.anchor_basis.float()
 
-    def project(self, hidden: torch.Tensor, tokens: torch.Tensor,
-                positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def project(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
+                previous: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[s, b, d] -> [s, b, r] (in the hidden states' dtype; math in fp32)."""
-        anchors = self._anchors(tokens, positions)
+        anchors = self._anchors(tokens, positions, previous)
         centred = hidden.float() if anchors is None else hidden.float() - anchors
         return (centred @ self.projection).to(hidden.dtype)
 
@@ -109,8 +120,8 @@ class BoundaryCodec(torch.nn.Module):
         return carrier.float() + self.vq.decode(indices)
 
     def reconstruct(self, z: torch.Tensor, tokens: torch.Tensor, dtype: torch.dtype,
-                    positions: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    positions: Optional[torch.Tensor] = None, previous: Optional[torch.Tensor] = None) -> torch.Tensor:
         """[s, b, r] -> [s, b, d]."""
         hidden = z.float() @ self.projection.transpose(0, 1)
-        anchors = self._anchors(tokens, positions)
+        anchors = self._anchors(tokens, positions, previous)
         return (hidden if anchors is None else hidden + anchors).to(dtype)

@@ -50,28 +50,40 @@ class MaplStage(torch.nn.Module):
             self._received = tensor
 
     def _local(self, ids: torch.Tensor) -> torch.Tensor:
-        """Token or position ids [b, s] in the layout of the boundary tensors: [s(/tp with SP), b]."""
-        tokens = ids.transpose(0, 1)
+        """Ids [..., b, s] in the layout of the boundary tensors: [..., s(/tp with SP), b]."""
+        tokens = ids.transpose(-1, -2)
         if self.config.sequence_parallel:
             tp = parallel_state.get_tensor_model_parallel_world_size()
             rank = parallel_state.get_tensor_model_parallel_rank()
-            tokens = tokens.chunk(tp, dim=0)[rank]
+            tokens = tokens.chunk(tp, dim=-2)[rank]
         return tokens
 
+    def _previous(self, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
+        """[n, s(/tp), b]: the token j = 1..n places back (the vocabulary size where there is none), for context
+        anchors; taken from the whole sequence before the SP split, so shard edges see their predecessors."""
+        boundaries = [b for b in self.boundaries() if b.context]
+        if not boundaries:
+            return None
+        n, before_start = boundaries[0].context, boundaries[0].anchor_embedding.shape[0]
+        padded = torch.nn.functional.pad(input_ids, (n, 0), value=before_start)
+        seq = input_ids.shape[-1]
+        return self._local(torch.stack([padded[..., n - j: n - j + seq] for j in range(1, n + 1)]))
+
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: Any, **kwargs: Any):
-        tokens = positions = None
+        tokens = positions = previous = None
         if self.recv is not None or self.send is not None:
             tokens, positions = self._local(input_ids), self._local(position_ids)
+            previous = self._previous(input_ids)
         dtype = self.config.pipeline_dtype
         if self.recv is not None:
             with torch.profiler.record_function(CODEC_RANGE):
                 received = self.recv.dequantize(self._received) if self.recv.vq is not None else self._received
                 self.module.set_input_tensor(
-                    self.recv.reconstruct(received, tokens, dtype or self._received.dtype, positions))
+                    self.recv.reconstruct(received, tokens, dtype or self._received.dtype, positions, previous))
         output = self.module(input_ids, position_ids, attention_mask, **kwargs)
         if self.send is not None:
             with torch.profiler.record_function(CODEC_RANGE):
-                output = self.send.project(output, tokens, positions)
+                output = self.send.project(output, tokens, positions, previous)
                 if self.send.vq is not None:
                     output = self.send.quantize(output, dtype or output.dtype)
         return output
@@ -165,7 +177,7 @@ class MaplSync:
             vq = boundary.vq
             sending = any(stage.send is boundary for stage in self.stages)
             mine = torch.tensor([boundary.hidden_size, boundary.rank, boundary.anchor_rank, boundary.positions,
-                                 int(boundary.trainable),
+                                 boundary.context, int(boundary.trainable),
                                  vq.levels if vq else 0, vq.codes if vq else 0, dist.get_rank() if sending else -1],
                                 dtype=torch.int64, device=boundary.projection.device)
             group = self.groups[boundary.boundary]
@@ -173,8 +185,9 @@ class MaplSync:
             dist.all_gather(both, mine, group=group)
             if not torch.equal(both[0][:-1], both[1][:-1]):
                 describe = lambda t: f"rank {int(t[1])} of {int(t[0])}, anchor rank {int(t[2])}, " \
-                    f"position anchors {int(t[3]) or 'off'}, {'learned' if t[4] else 'fixed'} projection, " \
-                    f"VQ {f'{int(t[5])} levels x {int(t[6])} codes' if t[5] else 'off'}"  # noqa: E731
+                    f"position anchors {int(t[3]) or 'off'}, context anchors {int(t[4]) or 'off'}, " \
+                    f"{'learned' if t[5] else 'fixed'} projection, " \
+                    f"VQ {f'{int(t[6])} levels x {int(t[7])} codes' if t[6] else 'off'}"  # noqa: E731
                 ranks = dist.get_process_group_ranks(group)
                 raise RuntimeError(
                     f"MAPL settings differ across pipeline boundary {boundary.boundary}: global rank {ranks[0]} "
@@ -207,10 +220,14 @@ class MaplSync:
                     dist.all_reduce(grad, group=pair)
 
     @torch.profiler.record_function(CODEC_RANGE)
-    def manifold_step(self) -> None:
-        if self.optimizer is None:
-            return
-        self.optimizer.step([b.projection.grad for b in self.trainable])
+    def manifold_step(self, lr_scale: float = 1.0, loss_scale: float = 1.0) -> None:
+        """Update every U: manifold lr times ``lr_scale`` (the schedule), gradients divided by ``loss_scale``."""
+        if self.optimizer is not None:
+            self.optimizer.step([b.projection.grad / loss_scale for b in self.trainable], lr_scale=lr_scale)
+        self.drop_grads()
+
+    def drop_grads(self) -> None:
+        """Forget this step's U gradients (after the update, or when the step is skipped)."""
         for b in self.trainable:
             b.projection.grad = None
 

@@ -63,13 +63,16 @@ class StiefelMomentumSGD:
         self.buffers: List[Optional[torch.Tensor]] = [None] * len(points)
 
     @torch.no_grad()
-    def step(self, grads: List[torch.Tensor]) -> None:
+    def step(self, grads: List[torch.Tensor], lr_scale: float = 1.0) -> None:
+        """One update of every point; the step length is ``lr * lr_scale`` (a learning-rate schedule's factor)."""
+        lr = self.lr * lr_scale
         for i, (u, g) in enumerate(zip(self.points, grads)):
             xi = tangent_project(u, g.to(u.dtype))
             m = xi if self.buffers[i] is None else self.momentum * self.buffers[i] + xi
             m = tangent_project(u, m)
             self.buffers[i] = m
-            u.copy_(retract_qr(u - self.lr * m))
+            if lr:  # at lr 0 (a warm-up's first step) U stays exactly put, as Adam leaves weights, not re-retracted
+                u.copy_(retract_qr(u - lr * m))
 
     def state_dict(self) -> dict:
         return {"lr": self.lr, "momentum": self.momentum, "buffers": self.buffers}

@@ -1,4 +1,4 @@
-"""Per-rank checkpoints of the trainer: model (MAPL projections and anchors included), optimizers, step.
+"""Per-rank checkpoints of the trainer: model (MAPL projections and anchors included), optimizers, lr schedule, step.
 
 Layout: ``DIR/iter_0000123/rank_00001.pt`` plus ``DIR/latest`` naming the newest
 iteration. Every rank saves and loads its own file (TP/PP shards differ); the
@@ -29,6 +29,7 @@ def save_checkpoint(trainer: Trainer, root: str) -> str:
         "step": trainer.step_count,
         "model": [model.state_dict() for model in trainer.models],
         "optimizer": trainer.optimizer.state_dict(),
+        "lr_scheduler": trainer.scheduler.state_dict(),
         "manifold_optimizer": (
             trainer.mapl_sync.optimizer.state_dict()
             if trainer.mapl_sync is not None and trainer.mapl_sync.optimizer is not None else None
@@ -67,6 +68,10 @@ def load_checkpoint(trainer: Trainer, root: str) -> int:
     for model, saved in zip(trainer.models, state["model"]):
         model.load_state_dict(saved)
     trainer.optimizer.load_state_dict(state["optimizer"])
+    if "lr_scheduler" in state:
+        trainer.scheduler.load_state_dict(state["lr_scheduler"])
+    else:  # saved before the trainer had a schedule: every earlier step ran at the constant --lr
+        trainer.scheduler.step(state["step"])
     if state["manifold_optimizer"] is not None:
         trainer.mapl_sync.optimizer.load_state_dict(state["manifold_optimizer"])
     torch.set_rng_state(state["torch_rng"])

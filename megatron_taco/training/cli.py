@@ -23,7 +23,7 @@ from megatron_taco.config.taco import TacoConfigError, add_taco_args, taco_confi
 from megatron_taco.megatron.telemetry import TELEMETRY
 from megatron_taco.training.checkpoint import load_checkpoint, save_checkpoint
 from megatron_taco.training.data import byte_text_batches, stdlib_text_files, synthetic_batches
-from megatron_taco.training.loop import Trainer, TrainConfig, init_distributed
+from megatron_taco.training.loop import LR_DECAY_STYLES, Trainer, TrainConfig, init_distributed
 from megatron_taco.training.model import ModelShape
 
 
@@ -39,7 +39,13 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--global-batch-size", type=int, default=None,
                        help="default: micro-batch-size x data-parallel size")
     group.add_argument("--train-iters", type=int, default=10)
-    group.add_argument("--lr", type=float, default=1e-3)
+    group.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    group.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay")
+    group.add_argument("--lr-warmup-iters", type=int, default=0, help="steps of linear warm-up from 0 to --lr")
+    group.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="constant",
+                       help="decay after the warm-up (MAPL's manifold learning rate follows the same factor)")
+    group.add_argument("--lr-decay-iters", type=int, default=None,
+                       help="steps from the start to the end of the decay (default: --train-iters)")
     group.add_argument("--weight-decay", type=float, default=0.0)
     group.add_argument("--clip-grad", type=float, default=1.0)
     group.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
@@ -179,6 +185,10 @@ def _train_config(args: argparse.Namespace, data_parallel: int) -> TrainConfig:
         micro_batch_size=args.micro_batch_size,
         num_microbatches=_num_microbatches(args, max(data_parallel, 1)),
         lr=args.lr,
+        min_lr=args.min_lr,
+        lr_warmup_iters=args.lr_warmup_iters,
+        lr_decay_style=args.lr_decay_style,
+        lr_decay_iters=args.lr_decay_iters or args.train_iters,
         weight_decay=args.weight_decay,
         clip_grad=args.clip_grad,
         dtype=args.dtype,
@@ -213,6 +223,7 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
         _log(f"MAPL: {len(widths)} boundaries, hidden {cfg.shape.hidden_size} -> {widths} "
              f"({', '.join(f'{cfg.shape.hidden_size / r:g}x' for r in widths)}), anchor rank {args.mapl.anchor_rank}"
              + (", position anchors" if cfg.mapl_position_anchors else "")
+             + (f", context anchors for {args.mapl.context_anchors} previous tokens" if args.mapl.context_anchors else "")
              + (", fixed projection" if args.mapl.fixed_projection else "")
              + (f", residual VQ {args.mapl.vq_levels} x {args.mapl.vq_codes} codes "
                 f"({args.mapl.vq_levels * index_bytes(args.mapl.vq_codes)} bytes/token forward)"
@@ -233,15 +244,15 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
     losses = []
     try:
         for step in range(start + 1, args.train_iters + 1):
-            start = time.perf_counter()
+            began = time.perf_counter()
             stats = trainer.train_step(data)
-            elapsed = time.perf_counter() - start
+            elapsed = time.perf_counter() - began
             losses.append(stats["loss"])
             if writer is not None:
                 writer.add_scalar("lm loss", stats["loss"], step)
             if step % args.log_interval == 0 or step == args.train_iters:
                 _log(
-                    f"step {step}/{args.train_iters} | loss {stats['loss']:.4f} | "
+                    f"step {step}/{args.train_iters} | loss {stats['loss']:.4f} | lr {stats['lr']:.3g} | "
                     f"grad norm {stats['grad_norm']:.3f} | {tokens_per_step / elapsed:.0f} tokens/s"
                     + (" | skipped" if stats["skipped"] else "")
                     + (f" | {stats['codebook_rows']} code words synced" if args.mapl and args.mapl.vq_levels else "")

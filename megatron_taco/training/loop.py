@@ -22,6 +22,7 @@ from megatron.core.distributed import (
     finalize_model_grads,
 )
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -42,6 +43,7 @@ from megatron_taco.megatron.telemetry import TELEMETRY
 from megatron_taco.training.model import ModelShape, build_gpt_model, make_transformer_config
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 
 @dataclasses.dataclass
@@ -56,6 +58,12 @@ class TrainConfig:
     micro_batch_size: int = 2
     num_microbatches: int = 2
     lr: float = 1e-3
+    # learning-rate schedule, Megatron-LM's: linear warm-up from 0, then constant, linear or cosine decay to min_lr
+    # over lr_decay_iters steps; MAPL's manifold learning rate follows the same factor (mapl.lr * lr_now / lr)
+    lr_warmup_iters: int = 0
+    lr_decay_style: str = "constant"
+    lr_decay_iters: Optional[int] = None
+    min_lr: float = 0.0
     weight_decay: float = 0.0
     clip_grad: float = 1.0
     dtype: str = "fp32"
@@ -68,6 +76,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        self._check_lr_schedule()
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
         for name in ("tensor_parallel", "pipeline_parallel", "micro_batch_size", "num_microbatches"):
@@ -89,6 +98,23 @@ class TrainConfig:
                 raise MaplConfigError(f"--mapl-position-anchors on: the model's position embedding is "
                                       f"{self.shape.position_embedding!r}; position anchors stand in for a learned "
                                       "absolute position table in the residual stream")
+
+    def _check_lr_schedule(self) -> None:
+        if self.lr_decay_style not in LR_DECAY_STYLES:
+            raise ValueError(f"--lr-decay-style: invalid value {self.lr_decay_style!r}; choose from "
+                             f"{', '.join(LR_DECAY_STYLES)}")
+        if self.lr <= 0:
+            raise ValueError(f"--lr: invalid value {self.lr:g}; must be > 0")
+        if not 0 <= self.min_lr <= self.lr:
+            raise ValueError(f"--min-lr: invalid value {self.min_lr:g}; must be in [0, --lr {self.lr:g}]")
+        if self.lr_warmup_iters < 0:
+            raise ValueError(f"--lr-warmup-iters: invalid value {self.lr_warmup_iters}; must be >= 0")
+        if self.lr_decay_style != "constant":
+            if self.lr_decay_iters is None:
+                raise ValueError(f"--lr-decay-style {self.lr_decay_style} needs --lr-decay-iters")
+            if self.lr_decay_iters <= self.lr_warmup_iters:
+                raise ValueError(f"--lr-decay-iters {self.lr_decay_iters} must be larger than --lr-warmup-iters "
+                                 f"{self.lr_warmup_iters} (the decay runs from the end of the warm-up)")
 
     @property
     def mapl_position_anchors(self) -> bool:
@@ -182,6 +208,7 @@ class Trainer:
             OptimizerConfig(
                 optimizer="adam",
                 lr=cfg.lr,
+                min_lr=cfg.min_lr,
                 weight_decay=cfg.weight_decay,
                 clip_grad=cfg.clip_grad,
                 bf16=dtype == torch.bfloat16,
@@ -191,6 +218,15 @@ class Trainer:
                 use_distributed_optimizer=False,
             ),
             self.models,
+        )
+        self.scheduler = OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=cfg.lr_warmup_iters,
+            # the constant style never reads the decay length; Megatron's scheduler wants it past the warm-up
+            lr_decay_steps=cfg.lr_decay_iters if cfg.lr_decay_style != "constant" else cfg.lr_warmup_iters + 1,
+            lr_decay_style=cfg.lr_decay_style,
+            start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=1, wd_incr_style="constant",
+            # a resumed run takes the schedule given now and the checkpoint's step count
+            use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
         )
         self.config.finalize_model_grads_func = finalize_model_grads
         no_sync = [m.no_sync for m in self.models]
@@ -213,6 +249,7 @@ class Trainer:
                 )
 
     mapl_boundaries: list = []
+    boundary_codec = BoundaryCodec  # the codec class at every MAPL boundary (a study may put a variant here)
 
     def _wrap_mapl(self, module: torch.nn.Module, vp_stage: int) -> torch.nn.Module:
         """Put this chunk's boundary codecs (receive side, send side) around its GPTModel.
@@ -227,12 +264,12 @@ class Trainer:
 
         def boundary(index: int) -> BoundaryCodec:
             rank = cfg.mapl_widths[index]
-            return BoundaryCodec(
+            return self.boundary_codec(
                 hidden_size=cfg.shape.hidden_size, rank=rank,
                 vocab_size=cfg.shape.padded_vocab_size(cfg.tensor_parallel), anchor_rank=mapl.anchor_rank,
                 seed=cfg.seed, boundary=index, trainable=not mapl.fixed_projection,
                 sequence_parallel=cfg.sequence_parallel,
-                positions=cfg.shape.seq_length if cfg.mapl_position_anchors else 0,
+                positions=cfg.shape.seq_length if cfg.mapl_position_anchors else 0, context=mapl.context_anchors,
                 vq=ResidualVQ(rank, mapl.vq_levels, mapl.vq_codes,
                               mapl.vq_decay, mapl.vq_sync_rows, mapl.vq_sync_tolerance,
                               seed=cfg.seed * 7919 + index) if mapl.vq_levels else None,
@@ -271,18 +308,33 @@ class Trainer:
         losses = self._run_schedule(data_iterator, forward_only=False)
         if self.mapl_sync is not None:
             self.mapl_sync.finalize_grads()
+        lr = self.lr
+        # U's gradient carries fp16's loss scale (U is not a Megatron parameter); read the scale of this
+        # backward before the optimizer step updates it
+        loss_scale = float(self.optimizer.get_loss_scale()) if self.mapl_sync is not None else 1.0
         updated, grad_norm, _ = self.optimizer.step()
         codebook_rows = 0
         if self.mapl_sync is not None:
-            self.mapl_sync.manifold_step()
+            if updated:
+                self.mapl_sync.manifold_step(lr_scale=lr / self.cfg.lr, loss_scale=loss_scale)
+            else:  # fp16 overflow: the step is skipped for U as for every other parameter
+                self.mapl_sync.drop_grads()
             codebook_rows = self.mapl_sync.codebook_step()
+        if updated:
+            self.scheduler.step(1)  # like Megatron-LM: the schedule advances on applied steps only
         self.step_count += 1
         return {
             "loss": self._share_loss(losses),
+            "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "skipped": not updated,
             "codebook_rows": codebook_rows,
         }
+
+    @property
+    def lr(self) -> float:
+        """The learning rate of the next step (the schedule's value)."""
+        return self.scheduler.get_lr({})
 
     @torch.no_grad()
     def evaluate(self, data_iterator: Iterator[Dict[str, torch.Tensor]], iters: int) -> float:
