@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Optional
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -24,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mapl_variants import VARIANTS as ALL_VARIANTS, make_trainer  # noqa: E402
 
 from megatron_taco.testing.distributed import run_distributed  # noqa: E402
+from megatron_taco.training.cli import add_lr_schedule_args, lr_schedule_settings  # noqa: E402
 from megatron_taco.training.data import byte_text_batches, stdlib_text_files  # noqa: E402
 from megatron_taco.training.loop import TrainConfig  # noqa: E402
 from megatron_taco.training.model import ModelShape  # noqa: E402
@@ -55,15 +57,21 @@ VARIANTS = {name: ALL_VARIANTS[name] for name in (  # this study's rows, in repo
 WINDOW = 50  # steps averaged for each point of the gap table
 
 
-def study_run(mapl, seed: int, steps: int, after_step=None) -> dict:
+def study_config(mapl, seed: int, **schedule) -> TrainConfig:
+    """The study's training settings for one run (``schedule``: TrainConfig's learning-rate schedule fields)."""
+    return TrainConfig(MODEL, pipeline_parallel=2, micro_batch_size=8, num_microbatches=2, lr=2e-3,
+                       seed=1234 + seed, mapl=mapl, **schedule)
+
+
+def study_run(mapl, seed: int, steps: int, after_step=None, schedule: Optional[dict] = None) -> dict:
     """One run of the study's model: ``steps`` steps on stdlib text, then the validation loss.
 
     Seed s changes the initialisation and the order of the training data; ``after_step(trainer, step)``, if
-    given, runs after every step (for experiments that act on the trainer between steps).
+    given, runs after every step (for experiments that act on the trainer between steps); ``schedule``: the
+    learning-rate schedule's TrainConfig fields (default: constant).
     """
     train_files, valid_files = stdlib_text_files()
-    trainer = make_trainer(TrainConfig(MODEL, pipeline_parallel=2, micro_batch_size=8, num_microbatches=2, lr=2e-3,
-                                       seed=1234 + seed, mapl=mapl))
+    trainer = make_trainer(study_config(mapl, seed, **(schedule or {})))
     train = byte_text_batches(train_files, MODEL.seq_length, 8, seed=1 + seed)
     start = time.time()
     losses = []
@@ -76,9 +84,10 @@ def study_run(mapl, seed: int, steps: int, after_step=None) -> dict:
     return dict(train=losses, valid=valid, seconds=time.time() - start)
 
 
-def _worker(names, steps: int, seeds: int):
+def _worker(names, steps: int, seeds: int, schedule: dict):
     """{variant: {seed: curve}}."""
-    return {name: {seed: study_run(VARIANTS[name], seed, steps) for seed in range(seeds)} for name in names}
+    return {name: {seed: study_run(VARIANTS[name], seed, steps, schedule=schedule) for seed in range(seeds)}
+            for name in names}
 
 
 def main() -> None:
@@ -88,12 +97,15 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/mapl_cpu_study.md")
     parser.add_argument("--variants", default=";".join(VARIANTS),
                         help="names from VARIANTS separated by ';' (uncompressed is always run: the reference)")
+    add_lr_schedule_args(parser, "--steps")
     args = parser.parse_args()
+    schedule = lr_schedule_settings(args, args.steps)
     names = ["uncompressed"] + [n for n in args.variants.split(";") if n != "uncompressed"]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         parser.error(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
-    results = run_distributed(_worker, 2, names, args.steps, args.seeds, timeout=24 * 3600)[0]
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    results = run_distributed(_worker, 2, names, args.steps, args.seeds, schedule, timeout=24 * 3600)[0]
     with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
         json.dump(results, f)
     points = [p for p in (100, 200, 300, 500, 700, 1000, 2000) if p <= args.steps]
@@ -107,11 +119,15 @@ def main() -> None:
         "# MAPL quality on CPU: the loss gap over training (small GPT, PP=2)",
         "",
         f"- Command: `python benchmarks/mapl_cpu_study.py --steps {args.steps} --seeds {args.seeds} --out {args.out} "
-        f"--variants '{';'.join(names[1:])}'`",
+        + (f"--lr-warmup-iters {args.lr_warmup_iters} --lr-decay-style {args.lr_decay_style} --min-lr {args.min_lr:g} "
+           + (f"--lr-decay-iters {args.lr_decay_iters} " if args.lr_decay_iters else "")
+           if schedule["lr_warmup_iters"] or args.lr_decay_style != "constant" else "")
+        + f"--variants '{';'.join(names[1:])}'`",
         f"- Date: {datetime.date.today().isoformat()}; CPU, 2 gloo ranks, fp32; torch "
         f"{__import__('torch').__version__}, megatron-core {__import__('megatron.core').core.__version__}",
         f"- Model: GPT {MODEL.num_layers} layers, hidden {MODEL.hidden_size}, FFN {MODEL.ffn_hidden_size}, seq "
-        f"{MODEL.seq_length}, byte-level vocab; PP=2 (one boundary); Adam lr 2e-3; 2 micro-batches of 8 per step; "
+        f"{MODEL.seq_length}, byte-level vocab; PP=2 (one boundary); Adam, "
+        f"{study_config(VARIANTS['MAPL 8x'], 0, **schedule).lr_schedule_summary}; 2 micro-batches of 8 per step; "
         "MAPL anchor rank 16, manifold lr 0.01 and momentum 0.9 unless the row says otherwise. Data: Python stdlib "
         f"sources; validation on held-out files (10 batches). Seeds: {args.seeds} (seed s changes the "
         "initialisation and the order of the training data; every gap is against the same seed's uncompressed run).",

@@ -34,7 +34,8 @@ from mapl_variants import VARIANTS as ALL_VARIANTS  # noqa: E402
 
 from megatron_taco.testing.distributed import run_distributed  # noqa: E402
 from megatron_taco.training.data import byte_text_batches, stdlib_text_files  # noqa: E402
-from megatron_taco.training.loop import LR_DECAY_STYLES, TrainConfig, Trainer  # noqa: E402
+from megatron_taco.training.cli import add_lr_schedule_args, lr_schedule_settings  # noqa: E402
+from megatron_taco.training.loop import TrainConfig, Trainer  # noqa: E402
 from megatron_taco.training.model import ModelShape  # noqa: E402
 
 MODEL = ModelShape(num_layers=8, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048, vocab_size=256,
@@ -68,10 +69,7 @@ VARIANTS = {name: ALL_VARIANTS[name] for name in (  # this study's rows, in repo
 def _train_variant(args: argparse.Namespace, name: str) -> dict:
     """One variant on 2 GPUs: its training losses and final validation loss (progress on rank 0's stdout)."""
     train_files, valid_files = stdlib_text_files()
-    cfg = TrainConfig(MODEL, pipeline_parallel=2, micro_batch_size=4, num_microbatches=args.micro_batches,
-                      dtype="bf16", lr=1e-3, min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters,
-                      lr_decay_style=args.lr_decay_style, lr_decay_iters=args.steps, seed=1234, mapl=VARIANTS[name])
-    trainer = Trainer(cfg)
+    trainer = Trainer(_config(args, VARIANTS[name]))
     train = byte_text_batches(train_files, MODEL.seq_length, 4, seed=1)
     losses = []
     for step in range(1, args.steps + 1):
@@ -84,6 +82,11 @@ def _train_variant(args: argparse.Namespace, name: str) -> dict:
     return dict(train=losses, valid=valid)
 
 
+def _config(args: argparse.Namespace, mapl) -> TrainConfig:
+    return TrainConfig(MODEL, pipeline_parallel=2, micro_batch_size=4, num_microbatches=args.micro_batches,
+                       dtype="bf16", lr=1e-3, seed=1234, mapl=mapl, **lr_schedule_settings(args, args.steps))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out-dir", default="benchmarks/results")
@@ -91,10 +94,7 @@ def main() -> None:
     parser.add_argument("--eval-iters", type=int, default=20)
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--variants", default="", help="';'-separated subset of the variant names (default: all)")
-    parser.add_argument("--lr-warmup-iters", type=int, default=0)
-    parser.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="constant",
-                        help="decay of the learning rate (Adam's and the manifold's) over --steps")
-    parser.add_argument("--min-lr", type=float, default=0.0)
+    add_lr_schedule_args(parser, "--steps")
     parser.add_argument("--parallel", type=int, default=1,
                         help="variants trained at the same time, each on both GPUs (the small model leaves them idle)")
     parser.add_argument("--log-interval", type=int, default=250, help="steps between progress lines")
@@ -130,13 +130,14 @@ def _write(args: argparse.Namespace, results: dict) -> None:
         f"- Command: `python benchmarks/mapl_quality.py --out-dir {args.out_dir} --steps {args.steps} "
         f"--eval-iters {args.eval_iters} --micro-batches {args.micro_batches} --lr-warmup-iters "
         f"{args.lr_warmup_iters} --lr-decay-style {args.lr_decay_style} --min-lr {args.min_lr:g} "
-        f"--parallel {args.parallel}" + (f" --variants '{args.variants}'" if args.variants else "") + "`",
+        + (f"--lr-decay-iters {args.lr_decay_iters} " if args.lr_decay_iters else "")
+        + f"--parallel {args.parallel}" + (f" --variants '{args.variants}'" if args.variants else "") + "`",
         f"- Variants run: {len(results)} of {len(VARIANTS)}"
         + ("" if len(results) == len(VARIANTS) else " (cut short, or a subset was asked for)"),
         f"- Date: {datetime.date.today().isoformat()}; 2 x {props.name}; torch {torch.__version__}",
         f"- Model: GPT {MODEL.num_layers} layers, hidden {MODEL.hidden_size}, FFN {MODEL.ffn_hidden_size}, "
-        f"seq {MODEL.seq_length}, byte-level vocab; PP=2 (one boundary), bf16, Adam lr 1e-3 "
-        f"({_schedule(args)}), "
+        f"seq {MODEL.seq_length}, byte-level vocab; PP=2 (one boundary), bf16, Adam, "
+        f"{_config(args, VARIANTS['MAPL 8x']).lr_schedule_summary}, "
         f"{args.micro_batches} micro-batches of 4 per step, {args.steps} steps; manifold lr 0.01, momentum 0.9, "
         "anchor rank 16 unless the row says otherwise; VQ: EMA decay 0.9, every changed code word synced. "
         "Data: Python stdlib sources; validation on held-out files.",
@@ -155,14 +156,6 @@ def _write(args: argparse.Namespace, results: dict) -> None:
                      f"{100 * (res['valid'] / base - 1):+.2f}% |")
     with open(os.path.join(args.out_dir, "mapl_quality.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
-
-
-def _schedule(args: argparse.Namespace) -> str:
-    if args.lr_decay_style == "constant" and not args.lr_warmup_iters:
-        return "constant"
-    return (f"{args.lr_warmup_iters} warm-up steps, " if args.lr_warmup_iters else "") + (
-        f"{args.lr_decay_style} decay to {args.min_lr:g} at step {args.steps}; the manifold lr follows the same factor"
-        if args.lr_decay_style != "constant" else "then constant")
 
 
 def _plot(results, path) -> None:

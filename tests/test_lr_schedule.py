@@ -98,3 +98,11 @@ def test_mapl_projection_follows_the_schedule():
 def test_invalid_schedules_name_the_flag(settings, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(TINY_GPT, **settings)
+
+
+def test_the_schedule_is_described_in_words_for_the_log():
+    assert TrainConfig(TINY_GPT, lr=1e-3).lr_schedule_summary == "lr 0.001, then constant"
+    cosine = TrainConfig(TINY_GPT, pipeline_parallel=2, lr=1e-3, min_lr=1e-4, lr_warmup_iters=10,
+                         lr_decay_style="cosine", lr_decay_iters=100, mapl=MaplConfig(ratio=4))
+    assert cosine.lr_schedule_summary == ("lr 0.001, 10 warm-up steps from 0, cosine decay to 0.0001 at step 100 "
+                                          "(MAPL's manifold lr follows the same factor)")

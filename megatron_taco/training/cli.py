@@ -27,6 +27,23 @@ from megatron_taco.training.loop import LR_DECAY_STYLES, Trainer, TrainConfig, i
 from megatron_taco.training.model import ModelShape
 
 
+def add_lr_schedule_args(parser, length_flag: str) -> None:
+    """--min-lr, --lr-warmup-iters, --lr-decay-style, --lr-decay-iters (Megatron-LM's names; the decay
+    length defaults to the run's length, ``length_flag``)."""
+    parser.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay")
+    parser.add_argument("--lr-warmup-iters", type=int, default=0, help="steps of linear warm-up from 0 to --lr")
+    parser.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="constant",
+                        help="decay after the warm-up (MAPL's manifold learning rate follows the same factor)")
+    parser.add_argument("--lr-decay-iters", type=int, default=None,
+                        help=f"steps from the start to the end of the decay (default: {length_flag})")
+
+
+def lr_schedule_settings(args: argparse.Namespace, length: int) -> Dict[str, Any]:
+    """The schedule flags as TrainConfig fields (the decay ends at ``length`` unless --lr-decay-iters says)."""
+    return dict(min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters, lr_decay_style=args.lr_decay_style,
+                lr_decay_iters=args.lr_decay_iters or length)
+
+
 def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("training")
     group.add_argument("--config", help="YAML file with a model section and training defaults")
@@ -40,12 +57,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
                        help="default: micro-batch-size x data-parallel size")
     group.add_argument("--train-iters", type=int, default=10)
     group.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    group.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay")
-    group.add_argument("--lr-warmup-iters", type=int, default=0, help="steps of linear warm-up from 0 to --lr")
-    group.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="constant",
-                       help="decay after the warm-up (MAPL's manifold learning rate follows the same factor)")
-    group.add_argument("--lr-decay-iters", type=int, default=None,
-                       help="steps from the start to the end of the decay (default: --train-iters)")
+    add_lr_schedule_args(group, "--train-iters")
     group.add_argument("--weight-decay", type=float, default=0.0)
     group.add_argument("--clip-grad", type=float, default=1.0)
     group.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
@@ -185,10 +197,7 @@ def _train_config(args: argparse.Namespace, data_parallel: int) -> TrainConfig:
         micro_batch_size=args.micro_batch_size,
         num_microbatches=_num_microbatches(args, max(data_parallel, 1)),
         lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_iters=args.lr_warmup_iters,
-        lr_decay_style=args.lr_decay_style,
-        lr_decay_iters=args.lr_decay_iters or args.train_iters,
+        **lr_schedule_settings(args, args.train_iters),
         weight_decay=args.weight_decay,
         clip_grad=args.clip_grad,
         dtype=args.dtype,
@@ -212,7 +221,8 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
     _log(
         f"megatron_taco trainer: world {dist.get_world_size()} TP {cfg.tensor_parallel} "
         f"PP {cfg.pipeline_parallel} DP {data_parallel} SP {cfg.sequence_parallel} on {device}, "
-        f"{cfg.num_microbatches} micro-batches of {cfg.micro_batch_size} x {cfg.shape.seq_length} tokens"
+        f"{cfg.num_microbatches} micro-batches of {cfg.micro_batch_size} x {cfg.shape.seq_length} tokens; "
+        f"{cfg.lr_schedule_summary}"
     )
     if args.taco.enabled:
         layers = {name: _ranges(numbers) for name, numbers in trainer.taco_layers.items()}

@@ -117,6 +117,16 @@ class TrainConfig:
                                  f"{self.lr_warmup_iters} (the decay runs from the end of the warm-up)")
 
     @property
+    def lr_schedule_summary(self) -> str:
+        """The learning-rate schedule in words, for logs and reports."""
+        warmup = f", {self.lr_warmup_iters} warm-up steps from 0" if self.lr_warmup_iters else ""
+        scheduled = self.lr_warmup_iters or self.lr_decay_style != "constant"
+        decay = (", then constant" if self.lr_decay_style == "constant" else
+                 f", {self.lr_decay_style} decay to {self.min_lr:g} at step {self.lr_decay_iters}")
+        follows = " (MAPL's manifold lr follows the same factor)" if scheduled and self.mapl is not None else ""
+        return f"lr {self.lr:g}{warmup}{decay}{follows}"
+
+    @property
     def mapl_position_anchors(self) -> bool:
         """Whether MAPL's anchors include positions (auto: where the model has learned absolute positions)."""
         learned = self.shape.position_embedding == "learned_absolute"
