@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from mapl_variants import VARIANTS as ALL_VARIANTS, make_trainer  # noqa: E402
 
 from megatron_taco.testing.distributed import run_distributed  # noqa: E402
-from megatron_taco.training.cli import add_lr_schedule_args, lr_schedule_settings  # noqa: E402
+from megatron_taco.training.cli import add_lr_schedule_args, lr_schedule_flags, lr_schedule_settings  # noqa: E402
 from megatron_taco.training.data import byte_text_batches, stdlib_text_files  # noqa: E402
 from megatron_taco.training.loop import TrainConfig  # noqa: E402
 from megatron_taco.training.model import ModelShape  # noqa: E402
@@ -119,10 +119,7 @@ def main() -> None:
         "# MAPL quality on CPU: the loss gap over training (small GPT, PP=2)",
         "",
         f"- Command: `python benchmarks/mapl_cpu_study.py --steps {args.steps} --seeds {args.seeds} --out {args.out} "
-        + (f"--lr-warmup-iters {args.lr_warmup_iters} --lr-decay-style {args.lr_decay_style} --min-lr {args.min_lr:g} "
-           + (f"--lr-decay-iters {args.lr_decay_iters} " if args.lr_decay_iters else "")
-           if schedule["lr_warmup_iters"] or args.lr_decay_style != "constant" else "")
-        + f"--variants '{';'.join(names[1:])}'`",
+        + lr_schedule_flags(args) + f"--variants '{';'.join(names[1:])}'`",
         f"- Date: {datetime.date.today().isoformat()}; CPU, 2 gloo ranks, fp32; torch "
         f"{__import__('torch').__version__}, megatron-core {__import__('megatron.core').core.__version__}",
         f"- Model: GPT {MODEL.num_layers} layers, hidden {MODEL.hidden_size}, FFN {MODEL.ffn_hidden_size}, seq "

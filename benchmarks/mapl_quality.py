@@ -34,7 +34,7 @@ from mapl_variants import VARIANTS as ALL_VARIANTS  # noqa: E402
 
 from megatron_taco.testing.distributed import run_distributed  # noqa: E402
 from megatron_taco.training.data import byte_text_batches, stdlib_text_files  # noqa: E402
-from megatron_taco.training.cli import add_lr_schedule_args, lr_schedule_settings  # noqa: E402
+from megatron_taco.training.cli import add_lr_schedule_args, lr_schedule_flags, lr_schedule_settings  # noqa: E402
 from megatron_taco.training.loop import TrainConfig, Trainer  # noqa: E402
 from megatron_taco.training.model import ModelShape  # noqa: E402
 
@@ -128,9 +128,7 @@ def _write(args: argparse.Namespace, results: dict) -> None:
         "# MAPL quality: PP=2, learned Stiefel projections vs a fixed one",
         "",
         f"- Command: `python benchmarks/mapl_quality.py --out-dir {args.out_dir} --steps {args.steps} "
-        f"--eval-iters {args.eval_iters} --micro-batches {args.micro_batches} --lr-warmup-iters "
-        f"{args.lr_warmup_iters} --lr-decay-style {args.lr_decay_style} --min-lr {args.min_lr:g} "
-        + (f"--lr-decay-iters {args.lr_decay_iters} " if args.lr_decay_iters else "")
+        f"--eval-iters {args.eval_iters} --micro-batches {args.micro_batches} " + lr_schedule_flags(args)
         + f"--parallel {args.parallel}" + (f" --variants '{args.variants}'" if args.variants else "") + "`",
         f"- Variants run: {len(results)} of {len(VARIANTS)}"
         + ("" if len(results) == len(VARIANTS) else " (cut short, or a subset was asked for)"),

@@ -19,7 +19,7 @@ for 4 x 2048 tokens on an H200, cheaper than sending them on any link
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,8 @@ class MaplStage(torch.nn.Module):
         self.send = send
         self.config = model.config
         self._received: Optional[torch.Tensor] = None
+        # context anchors: (previous tokens n, the "before the start" row), alike at both boundaries of a stage
+        self._context = next(((b.context, b.anchor_embedding.shape[0]) for b in self.boundaries() if b.context), None)
 
     def set_input_tensor(self, input_tensor: Any) -> None:
         tensor = input_tensor[0] if isinstance(input_tensor, (list, tuple)) else input_tensor
@@ -61,10 +63,9 @@ class MaplStage(torch.nn.Module):
     def _previous(self, input_ids: torch.Tensor) -> Optional[torch.Tensor]:
         """[n, s(/tp), b]: the token j = 1..n places back (the vocabulary size where there is none), for context
         anchors; taken from the whole sequence before the SP split, so shard edges see their predecessors."""
-        boundaries = [b for b in self.boundaries() if b.context]
-        if not boundaries:
+        if not self._context:
             return None
-        n, before_start = boundaries[0].context, boundaries[0].anchor_embedding.shape[0]
+        n, before_start = self._context
         padded = torch.nn.functional.pad(input_ids, (n, 0), value=before_start)
         seq = input_ids.shape[-1]
         return self._local(torch.stack([padded[..., n - j: n - j + seq] for j in range(1, n + 1)]))
@@ -220,7 +221,7 @@ class MaplSync:
                     dist.all_reduce(grad, group=pair)
 
     @torch.profiler.record_function(CODEC_RANGE)
-    def manifold_step(self, lr_scale: float = 1.0, loss_scale: float = 1.0) -> None:
+    def manifold_step(self, lr_scale: float = 1.0, loss_scale: Union[float, torch.Tensor] = 1.0) -> None:
         """Update every U: manifold lr times ``lr_scale`` (the schedule), gradients divided by ``loss_scale``."""
         if self.optimizer is not None:
             self.optimizer.step([b.projection.grad / loss_scale for b in self.trainable], lr_scale=lr_scale)

@@ -44,6 +44,14 @@ def lr_schedule_settings(args: argparse.Namespace, length: int) -> Dict[str, Any
                 lr_decay_iters=args.lr_decay_iters or length)
 
 
+def lr_schedule_flags(args: argparse.Namespace) -> str:
+    """The schedule flags as given, for a report's command line ('' for the default constant lr)."""
+    if not args.lr_warmup_iters and args.lr_decay_style == "constant":
+        return ""
+    return (f"--lr-warmup-iters {args.lr_warmup_iters} --lr-decay-style {args.lr_decay_style} --min-lr {args.min_lr:g} "
+            + (f"--lr-decay-iters {args.lr_decay_iters} " if args.lr_decay_iters else ""))
+
+
 def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("training")
     group.add_argument("--config", help="YAML file with a model section and training defaults")

@@ -319,9 +319,9 @@ class Trainer:
         if self.mapl_sync is not None:
             self.mapl_sync.finalize_grads()
         lr = self.lr
-        # U's gradient carries fp16's loss scale (U is not a Megatron parameter); read the scale of this
-        # backward before the optimizer step updates it
-        loss_scale = float(self.optimizer.get_loss_scale()) if self.mapl_sync is not None else 1.0
+        # U's gradient carries fp16's loss scale (U is not a Megatron parameter); keep the scale of this
+        # backward (a device copy: no host sync) before the optimizer step updates it
+        loss_scale = self.optimizer.get_loss_scale().clone() if self.mapl_sync is not None else 1.0
         updated, grad_norm, _ = self.optimizer.step()
         codebook_rows = 0
         if self.mapl_sync is not None:
