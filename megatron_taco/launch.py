@@ -1,19 +1,22 @@
 """Run an unmodified Megatron-LM training script with TACO: ``python -m megatron_taco.launch SCRIPT [flags]``.
 
     python -m megatron_taco.launch /path/to/Megatron-LM/pretrain_gpt.py \\
-        <Megatron-LM flags> --transformer-impl local --taco-mode fp8-ash [--taco-* ...]
+        <Megatron-LM flags> --sequence-parallel --taco-mode fp8-ash [--taco-* ...]
 
-Before the script runs, :func:`install_hooks`:
+The launcher puts the script's Megatron-LM checkout first on ``sys.path`` (before anything imports
+``megatron``), then :func:`install_hooks` (also what ``patches/`` add to ``pretrain_gpt.py``):
 
 1. adds the ``--taco-*`` flags to Megatron-LM's argument parser (``megatron.training.arguments.parse_args``
    chains them into its ``extra_args_provider``) and validates them when the arguments are parsed;
-2. makes ``get_gpt_layer_local_spec`` return megatron_taco's layer spec (the same layer with TACO's
-   linears and the SP-capable norm), and, when apex is missing, the block's final norm the SP-capable one;
-3. attaches the per-layer TACO settings to every GPTModel right after it is built.
+2. lets megatron-core's torch norm (``WrappedTorchNorm``, used when apex is missing) build an SP-capable
+   norm under ``--sequence-parallel`` instead of refusing;
+3. attaches the per-layer TACO settings to every GPTModel right after it is built, whatever spec
+   function, builder or call pattern produced it: megatron-core's local linears and Transformer Engine's
+   linears (``--transformer-impl local`` or ``transformer_engine``) send their TP traffic through TACO;
+4. prints TACO's telemetry with Megatron-LM's training log.
 
-Requires ``--transformer-impl local`` (TACO's linears replace megatron-core's local ones; with Transformer
-Engine the layers are TE modules and start-up fails with a message saying so). MAPL needs changes in the
-training loop and is available in ``examples/pretrain_gpt.py`` only: ``--mapl-*`` flags fail at start-up here.
+MAPL needs its own pipeline schedule buffers and is not available here yet: ``--mapl-*`` flags fail at
+start-up; use the self-contained trainer (``examples/pretrain_gpt.py``).
 Supported: Megatron-LM core_r0.16.x through core_r0.19.x (see README).
 """
 
@@ -35,6 +38,10 @@ if not hasattr(typing, "override"):  # Megatron-LM 0.19's training package uses 
     typing.override = lambda method: method
 
 
+def _rank0() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def _with_taco_args(extra_args_provider: Optional[Callable]) -> Callable:
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if extra_args_provider is not None:
@@ -48,94 +55,123 @@ def _reject_mapl(argv: List[str]) -> None:
     given = [a.split("=")[0] for a in argv if a.startswith("--mapl-")]
     if given:
         raise SystemExit(
-            f"error: {', '.join(given)}: MAPL is not available through the Megatron-LM launcher (it changes the "
-            "pipeline schedule's buffers); use examples/pretrain_gpt.py"
+            f"error: {', '.join(given)}: MAPL is not available through the Megatron-LM launcher or patch yet (it "
+            "changes the pipeline schedule's buffers); use the self-contained trainer, examples/pretrain_gpt.py"
         )
 
 
-def install_hooks() -> None:
-    """Patch Megatron-LM / megatron-core entry points (idempotent)."""
-    if _STATE["installed"]:
-        return
-    from megatron.core.models.gpt import gpt_layer_specs
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer import torch_norm, transformer_block
+def check_megatron_args(args: argparse.Namespace):
+    """The TACO config of Megatron-LM's parsed ``args``; raises TacoConfigError for what TACO cannot do."""
+    cfg = taco_config_from_args(args)
+    if not cfg.enabled:
+        return cfg
+    cfg.check_layers(args.num_layers)
+    if getattr(args, "tp_comm_overlap", False):
+        raise TacoConfigError(f"--taco-mode {args.taco_mode} with --tp-comm-overlap: Transformer Engine's "
+                              "userbuffers send TP traffic around the collectives TACO compresses; drop one")
+    return cfg
 
-    from megatron_taco.megatron.attach import attach_taco
-    from megatron_taco.megatron.norms import SequenceParallelNorm
-    from megatron_taco.megatron.specs import taco_layer_spec
 
-    # 1. flags: wrap parse_args where Megatron-LM defines and imports it
+def _patch_parse_args() -> None:
+    """Chain the --taco-* flags into Megatron-LM's parser and validate them after parsing."""
     try:
         from megatron.training import arguments as mlm_arguments
-    except ImportError:
-        mlm_arguments = None
-    if mlm_arguments is not None:
-        original_parse = mlm_arguments.parse_args
+    except ImportError:  # megatron-core without Megatron-LM's training package
+        return
+    original_parse = mlm_arguments.parse_args
 
-        @functools.wraps(original_parse)
-        def parse_args(extra_args_provider=None, ignore_unknown_args=False):
-            args = original_parse(_with_taco_args(extra_args_provider), ignore_unknown_args)
-            try:
-                _STATE["taco"] = taco_config_from_args(args)
-            except TacoConfigError as exc:
-                raise SystemExit(f"error: {exc}") from None
-            if _STATE["taco"].enabled and getattr(args, "transformer_impl", "local") != "local":
-                raise SystemExit(
-                    f"error: --taco-mode {args.taco_mode} needs --transformer-impl local (got "
-                    f"{args.transformer_impl}): TACO replaces megatron-core's local linears; Transformer Engine's "
-                    "own TP communication is not intercepted"
-                )
-            return args
+    @functools.wraps(original_parse)
+    def parse_args(extra_args_provider=None, ignore_unknown_args=False):
+        args = original_parse(_with_taco_args(extra_args_provider), ignore_unknown_args)
+        try:
+            _STATE["taco"] = check_megatron_args(args)
+        except TacoConfigError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        return args
 
-        mlm_arguments.parse_args = parse_args
-        for module_name in ("megatron.training.initialize", "megatron.training.training"):
-            module = sys.modules.get(module_name)
-            if module is not None and getattr(module, "parse_args", None) is original_parse:
-                module.parse_args = parse_args
+    mlm_arguments.parse_args = parse_args
+    for module_name in ("megatron.training.initialize", "megatron.training.training"):
+        module = sys.modules.get(module_name)
+        if module is not None and getattr(module, "parse_args", None) is original_parse:
+            module.parse_args = parse_args
 
-    # 2. layer spec and final norm
-    original_local_spec = gpt_layer_specs.get_gpt_layer_local_spec
 
-    @functools.wraps(original_local_spec)
-    def get_gpt_layer_local_spec(*args, **kwargs):
-        unsupported = [k for k in ("num_experts", "multi_latent_attention", "qk_layernorm", "qk_l2_norm", "use_kitchen")
-                       if kwargs.get(k)]
-        if args or unsupported:  # MoE, MLA, qk norms: megatron-core's own spec (TACO does not cover them)
-            return original_local_spec(*args, **kwargs)
-        return taco_layer_spec()
+def _patch_torch_norm() -> None:
+    """megatron-core's ``WrappedTorchNorm`` refuses SP; build the SP-capable norm in its place under SP.
 
-    gpt_layer_specs.get_gpt_layer_local_spec = get_gpt_layer_local_spec
-    if transformer_block.LayerNormImpl is torch_norm.WrappedTorchNorm:  # no apex: it refuses SP
-        transformer_block.LayerNormImpl = SequenceParallelNorm
+    Patched on the class, so every spec and import that names it (or ``LNImpl``) gets it."""
+    from megatron.core.transformer import torch_norm
 
-    # 3. attach TACO to every GPTModel built from now on
+    from megatron_taco.megatron.norms import SequenceParallelNorm
+
+    wrapped = torch_norm.WrappedTorchNorm
+    original_new = wrapped.__new__
+
+    def new(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        if config.sequence_parallel and config.normalization in ("LayerNorm", "RMSNorm"):
+            return SequenceParallelNorm(config, hidden_size, eps)
+        return original_new(cls, config, hidden_size, eps, *args, **kwargs)
+
+    wrapped.__new__ = new
+
+
+def _patch_model_build() -> None:
+    """Attach the TACO settings to every GPTModel right after it is built."""
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    from megatron_taco.megatron.attach import attach_taco
+
     original_init = GPTModel.__init__
 
     @functools.wraps(original_init)
     def init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
         cfg = _STATE["taco"]
-        if cfg is not None and cfg.enabled:
-            layers = attach_taco([self], cfg)
-            if int(os.environ.get("RANK", "0")) == 0:
-                print(f"megatron_taco: TACO {cfg.default.mode} attached to layers {layers}", flush=True)
+        if cfg is None or not cfg.enabled:
+            return
+        try:
+            attached = attach_taco([self], cfg)
+        except (TacoConfigError, ValueError) as exc:
+            raise SystemExit(f"error: {exc}") from None
+        from megatron.core import parallel_state
+
+        if parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0:
+            print(f"megatron_taco: TACO {cfg.default.mode} ({getattr(self.config, 'transformer_impl', 'local')} linears, pipeline stage "
+                  f"{parallel_state.get_pipeline_model_parallel_rank()}): {attached.describe()}", flush=True)
 
     GPTModel.__init__ = init
 
-    # 4. telemetry with Megatron-LM's own log: every --taco-log-interval iterations, to stdout and TensorBoard
-    if mlm_arguments is not None:
+
+def _patch_training_log() -> None:
+    """Telemetry with Megatron-LM's own log: every --taco-log-interval iterations, to stdout and TensorBoard."""
+    try:
         from megatron.training import training as mlm_training
+    except ImportError:
+        return
+    original_log = mlm_training.training_log
 
-        original_log = mlm_training.training_log
+    @functools.wraps(original_log)
+    def training_log(*args, **kwargs):
+        result = original_log(*args, **kwargs)
+        log_telemetry(kwargs["iteration"] if "iteration" in kwargs else args[3])
+        return result
 
-        @functools.wraps(original_log)
-        def training_log(*args, **kwargs):
-            result = original_log(*args, **kwargs)
-            log_telemetry(kwargs["iteration"] if "iteration" in kwargs else args[3])
-            return result
+    mlm_training.training_log = training_log
 
-        mlm_training.training_log = training_log
+
+def install_hooks() -> None:
+    """Patch Megatron-LM / megatron-core entry points (idempotent)."""
+    if _STATE["installed"]:
+        return
+    import megatron.core
+
+    if _rank0():
+        print(f"megatron_taco: megatron-core {megatron.core.__version__} from "
+              f"{os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(megatron.core.__file__))))}", flush=True)
+    _patch_parse_args()
+    _patch_torch_norm()
+    _patch_model_build()
+    _patch_training_log()
     _STATE["installed"] = True
 
 
@@ -157,13 +193,27 @@ def log_telemetry(iteration: int, writer=None) -> List[str]:
         except (ImportError, AssertionError):
             writer = None
     lines = TELEMETRY.format_lines()
-    if int(os.environ.get("RANK", "0")) == 0:
+    if _rank0():
         for line in lines:
             print(line, flush=True)
     if writer is not None:
         TELEMETRY.write_tensorboard(writer, iteration)
     TELEMETRY.reset()
     return lines
+
+
+def use_checkout_of(script: str) -> Optional[str]:
+    """Put the Megatron-LM checkout that holds ``script`` first on ``sys.path``; return its folder (None when
+    the script's folder has no ``megatron`` package: the installed one is used)."""
+    folder = os.path.dirname(os.path.abspath(script))
+    loaded = sys.modules.get("megatron")
+    if not os.path.isdir(os.path.join(folder, "megatron")):
+        return None
+    if loaded is not None and os.path.join(folder, "megatron") not in [os.path.abspath(p) for p in loaded.__path__]:
+        raise SystemExit(f"error: megatron was imported from {list(loaded.__path__)} before the launcher could put "
+                         f"{folder} first on sys.path")
+    sys.path.insert(0, folder)
+    return folder
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -174,9 +224,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     if not os.path.isfile(script):
         raise SystemExit(f"error: training script {script!r} not found")
     _reject_mapl(script_args)
+    if use_checkout_of(script) is None:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # the script imports its siblings
     install_hooks()
     sys.argv = [script, *script_args]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # the script imports its siblings
     runpy.run_path(script, run_name="__main__")
 
 

@@ -32,7 +32,7 @@ def test_every_config_is_tested():
 def _meta_parameter_count(path):
     """Build the whole model (TP=1, PP=1) on the meta device and count its parameters."""
     from megatron_taco.megatron.cpu_runtime import cpu_config_overrides, enable_cpu_runtime
-    from megatron_taco.megatron.specs import LOCAL_SPEC_CONFIG, taco_layer_spec
+    from megatron_taco.megatron.specs import LOCAL_SPEC_CONFIG, transformer_layer_spec
     from megatron_taco.training.model import build_gpt_model, make_transformer_config
     from megatron.core import parallel_state
 
@@ -44,7 +44,7 @@ def _meta_parameter_count(path):
         extra={**LOCAL_SPEC_CONFIG, **cpu_config_overrides(), "perform_initialization": False},
     )
     with torch.device("meta"):
-        model = build_gpt_model(args.shape, config, taco_layer_spec(), initialize=False)
+        model = build_gpt_model(args.shape, config, transformer_layer_spec(), initialize=False)
     parallel_state.destroy_model_parallel()
     return sum(p.numel() for p in model.parameters()), args.taco.enabled, args.mapl
 

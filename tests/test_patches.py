@@ -1,7 +1,7 @@
 """patches/: structure, the megatron_taco names they call, and scripts/apply_patch.sh's refusals.
 
-Applying them to real Megatron-LM releases is checked by hand (README, "Patching a Megatron-LM
-checkout"): the Megatron-LM sources are not part of this repository.
+Applying it to real Megatron-LM releases runs on the GPU machine (scripts/megatron_lm_check.sh): the
+Megatron-LM sources are not part of this repository. Here a checkout stand-in has their lines around the insertion point.
 """
 
 import glob
@@ -16,8 +16,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PATCHES = sorted(glob.glob(os.path.join(ROOT, "patches", "*.patch")))
 
 
-def test_one_patch_per_supported_release():
-    assert [os.path.basename(p) for p in PATCHES] == ["megatron-lm-core_r0.16.patch", "megatron-lm-core_r0.19.patch"]
+def test_one_patch_for_every_release():
+    assert [os.path.basename(p) for p in PATCHES] == ["megatron-lm.patch"]
 
 
 @pytest.mark.parametrize("path", PATCHES, ids=os.path.basename)
@@ -49,7 +49,13 @@ def test_every_megatron_taco_name_the_patch_calls_exists(path):
         assert callable(getattr(importlib.import_module(match.group(1)), match.group(2)))
 
 
-def _fake_checkout(tmp_path, minor, body="print('training')\n"):
+# The lines around the patch's insertion point in Megatron-LM 0.16-0.19's pretrain_gpt.py.
+PRETRAIN_GPT_HEAD = ("from typing import List, Optional, Tuple\n\nimport torch\n\nfrom gpt_builders import gpt_builder\n"
+                     "from megatron.core import mpu\nfrom megatron.core.datasets.blended_megatron_dataset_builder "
+                     "import BlendedMegatronDatasetBuilder\nprint('training')\n")
+
+
+def _fake_checkout(tmp_path, minor, body=PRETRAIN_GPT_HEAD):
     (tmp_path / "megatron" / "core").mkdir(parents=True)
     (tmp_path / "megatron" / "core" / "package_info.py").write_text(f"MAJOR = 0\nMINOR = {minor}\nPATCH = 0\n")
     (tmp_path / "pretrain_gpt.py").write_text(body)
@@ -61,18 +67,25 @@ def _apply(directory):
                           capture_output=True, text=True, timeout=60)
 
 
-def test_apply_patch_refuses_unsupported_release(tmp_path):
-    proc = _apply(_fake_checkout(tmp_path, 12))
-    assert proc.returncode != 0 and "Megatron-LM 0.12 is not supported" in proc.stderr
+@pytest.mark.parametrize("minor", [16, 17, 18, 19])
+def test_apply_patch_decides_by_content_and_refuses_a_second_application(tmp_path, minor):
+    checkout = _fake_checkout(tmp_path, minor)
+    proc = _apply(checkout)
+    assert proc.returncode == 0 and f"(Megatron-LM 0.{minor})" in proc.stdout, proc.stderr
+    text = (checkout / "pretrain_gpt.py").read_text()
+    assert text.index("install_hooks()") < text.index("from gpt_builders import gpt_builder")
+    again = _apply(checkout)
+    assert again.returncode == 0 and "already patched" in again.stdout
+    assert (checkout / "pretrain_gpt.py").read_text() == text
 
 
 def test_apply_patch_refuses_what_it_cannot_patch_and_changes_nothing(tmp_path):
     checkout = _fake_checkout(tmp_path, 19, body="# not Megatron-LM's pretrain_gpt.py\n")
     proc = _apply(checkout)
-    assert proc.returncode != 0 and "does not apply" in proc.stderr
+    assert proc.returncode != 0 and "no patch in patches/ applies" in proc.stderr and len(proc.stderr.splitlines()) == 1
     assert (checkout / "pretrain_gpt.py").read_text() == "# not Megatron-LM's pretrain_gpt.py\n"
 
 
 def test_apply_patch_refuses_a_directory_that_is_not_a_checkout(tmp_path):
     proc = _apply(tmp_path)
-    assert proc.returncode != 0 and "not a Megatron-LM checkout" in proc.stderr
+    assert proc.returncode != 0 and "not a Megatron-LM checkout (no pretrain_gpt.py)" in proc.stderr

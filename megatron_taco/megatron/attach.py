@@ -1,20 +1,25 @@
 """Attach per-layer TACO settings to a built megatron-core model.
 
-Walks ``model.decoder.layers`` of every model chunk (through DDP and
-Float16Module wrappers) and gives each of ``linear_qkv``, ``linear_proj``,
-``linear_fc1`` and ``linear_fc2`` the compression its global layer number
-resolves to in the :class:`TacoConfig`.
+Walks ``model.decoder.layers`` of every model chunk (through DDP and Float16Module wrappers) and
+gives each of ``linear_qkv``, ``linear_proj``, ``linear_fc1`` and ``linear_fc2`` the compression its
+global layer number resolves to in the :class:`TacoConfig`, whatever built the model: megatron-core's
+local linears get TACO's forward implementation (``taco_linears``), Transformer Engine's linears get
+their collectives intercepted (``te_linears``). Parts TACO does not cover (MoE experts, MLA attention,
+TE's fused-ops MLP, other linear types) keep running stock, and :class:`Attached` names them.
 """
 
 from __future__ import annotations
 
-from typing import Dict, Iterable, List
+import dataclasses
+from typing import Dict, Iterable, List, Optional
 
 import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from megatron_taco.codec import TacoCodec
-from megatron_taco.config.taco import LinearSettings, TacoConfig, TacoConfigError
-from megatron_taco.megatron.taco_linears import LinearCompression, TacoColumnParallelLinear, TacoRowParallelLinear
+from megatron_taco.config.taco import LINEARS, LinearSettings, TacoConfig
+from megatron_taco.megatron.taco_linears import LinearCompression, compress_local_linear
+from megatron_taco.megatron.te_linears import TeCompression, compress_te_linear, is_te_linear
 
 # linear name in the flags -> (submodule, attribute) inside a TransformerLayer
 _LINEAR_PATHS = {
@@ -25,6 +30,31 @@ _LINEAR_PATHS = {
 }
 
 
+@dataclasses.dataclass
+class Attached:
+    """What :func:`attach_taco` did: the layers whose linear compresses, and the parts left stock."""
+
+    layers: Dict[str, List[int]]
+    stock: List[str]
+
+    def describe(self) -> str:
+        """One start-up line, e.g. ``qkv 1-8, proj 1-8, fc1 1-8, fc2 1-8; stock: layers 2,4 mlp (MoE experts)``."""
+        text = ", ".join(f"{name} {format_ranges(numbers) or '-'}" for name, numbers in self.layers.items())
+        return text + (f"; runs stock: {'; '.join(self.stock)}" if self.stock else "")
+
+
+def format_ranges(numbers: List[int]) -> str:
+    """[1, 2, 3, 7] -> '1-3,7'."""
+    parts, start = [], None
+    for i, n in enumerate(numbers):
+        if start is None:
+            start = n
+        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
+            parts.append(f"{start}-{n}" if n != start else f"{n}")
+            start = None
+    return ",".join(parts)
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The GPTModel inside DDP / Float16Module wrappers."""
     while hasattr(model, "module") and not hasattr(model, "decoder"):
@@ -32,40 +62,65 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _codec(settings: LinearSettings, backend: str) -> TacoCodec:
-    return TacoCodec(
-        group_size=settings.group_size, fmt=settings.fmt, transform=settings.transform,
-        scales=settings.scales, backend=backend,
-    )
+def _uncovered(layer: torch.nn.Module) -> Dict[str, str]:
+    """{part: why} for the parts of a layer whose linears TACO does not reach."""
+    parts = {}
+    attention, mlp = getattr(layer, "self_attention", None), getattr(layer, "mlp", None)
+    if attention is not None and not hasattr(attention, "linear_qkv"):
+        kind = "MLA" if "MLA" in type(attention).__name__ else type(attention).__name__
+        parts["attention"] = f"attention ({kind})"
+    if mlp is not None and hasattr(mlp, "experts"):
+        parts["mlp"] = "mlp (MoE experts)"
+    elif mlp is not None and type(mlp).__name__ == "TEFusedMLP":
+        parts["mlp"] = "mlp (TE fused-ops MLP)"
+    return parts
 
 
-def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> Dict[str, List[int]]:
-    """Configure every transformer layer's linears; return {linear name: layers compressed}."""
-    compressed: Dict[str, List[int]] = {name: [] for name in _LINEAR_PATHS}
+def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> Attached:
+    """Configure every transformer layer's linears; return what was compressed and what runs stock."""
+    compressed: Dict[str, List[int]] = {name: [] for name in LINEARS}
+    stock: Dict[str, List[int]] = {}
     codecs: Dict[tuple, TacoCodec] = {}
+
+    def linear_compression(settings: LinearSettings, layer_number: int, name: str) -> Optional[LinearCompression]:
+        key = (settings.group_size, settings.fmt, settings.transform, settings.scales)
+        codec = codecs.setdefault(key, TacoCodec(group_size=settings.group_size, fmt=settings.fmt,
+                                                 transform=settings.transform, scales=settings.scales,
+                                                 backend=config.backend)) if settings.enabled else None
+        fwd = codec if settings.compresses(name, "fwd") else None
+        bwd = codec if settings.compresses(name, "bwd") else None
+        if fwd is None and bwd is None:
+            return None
+        return LinearCompression(f"layer {layer_number} {name}", fwd, bwd, config.min_bytes, config.chunk_bytes)
+
     for chunk in model_chunks:
         gpt = unwrap(chunk)
         config.check_layers(gpt.config.num_layers)
         for layer in gpt.decoder.layers:
-            settings = config.for_layer(layer.layer_number)
+            number = layer.layer_number
+            settings = config.for_layer(number)
+            uncovered = _uncovered(layer)
+            for part in uncovered.values():
+                stock.setdefault(part, []).append(number)
+            te_modules: Dict[int, list] = {}  # id(TE module) -> [module, column cfg, row cfg]
             for name, (parent, attr) in _LINEAR_PATHS.items():
-                linear = getattr(getattr(layer, parent), attr)
-                if not isinstance(linear, (TacoColumnParallelLinear, TacoRowParallelLinear)):
-                    raise TacoConfigError(
-                        f"layer {layer.layer_number} {attr} is a {type(linear).__name__}: TACO needs the megatron_taco "
-                        "layer spec (megatron_taco.megatron.specs.transformer_layer_spec)"
-                    )
-                key = (settings.group_size, settings.fmt, settings.transform, settings.scales)
-                codec = codecs.setdefault(key, _codec(settings, config.backend)) if settings.enabled else None
-                fwd = codec if settings.compresses(name, "fwd") else None
-                bwd = codec if settings.compresses(name, "bwd") else None
-                cfg = None
-                if fwd is not None or bwd is not None:
-                    cfg = LinearCompression(f"layer {layer.layer_number} {name}", fwd, bwd,
-                                            config.min_bytes, config.chunk_bytes)
-                    compressed[name].append(layer.layer_number)
-                if isinstance(linear, TacoRowParallelLinear):
-                    linear.set_taco(cfg)
+                if parent in uncovered:
+                    continue
+                owner = getattr(layer, parent)
+                linear = getattr(owner, attr, None)
+                if linear is None and parent == "mlp" and is_te_linear(owner):  # TE LayerNormMLP: fc1 and fc2 in one
+                    linear = owner
+                cfg = linear_compression(settings, number, name)
+                if isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
+                    compress_local_linear(linear, cfg)
+                elif linear is not None and is_te_linear(linear):
+                    entry = te_modules.setdefault(id(linear), [linear, None, None])
+                    entry[1 if name in ("qkv", "fc1") else 2] = cfg
                 else:
-                    linear.taco = cfg
-    return compressed
+                    stock.setdefault(f"{attr} ({type(linear).__name__})", []).append(number)
+                    continue
+                if cfg is not None:
+                    compressed[name].append(number)
+            for module, column, row in te_modules.values():
+                compress_te_linear(module, TeCompression(column, row) if column or row else None)
+    return Attached(compressed, [f"layers {format_ranges(sorted(numbers))} {part}" for part, numbers in stock.items()])

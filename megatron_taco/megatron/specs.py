@@ -4,13 +4,13 @@ One transformer-layer spec serves GPT-style (LayerNorm, GeLU, MHA) and
 Qwen2-style (RMSNorm, SwiGLU, GQA, qkv bias, RoPE) models: those differences
 live in ``TransformerConfig`` (normalization, gated_linear_unit,
 activation_func, num_query_groups, add_qkv_bias) and in ``GPTModel``'s
-position-embedding arguments. The linear classes are parameters so that the
-TACO integration can put its compressed linears in the same spec.
+position-embedding arguments. TACO needs nothing from the spec: it attaches to
+the built linears (``megatron_taco.megatron.attach``).
 """
 
 from __future__ import annotations
 
-from typing import Optional, Type
+from typing import Optional
 
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -40,10 +40,7 @@ LOCAL_SPEC_CONFIG = dict(
 )
 
 
-def transformer_layer_spec(
-    column_linear: Type[ColumnParallelLinear] = ColumnParallelLinear,
-    row_linear: Type[RowParallelLinear] = RowParallelLinear,
-) -> ModuleSpec:
+def transformer_layer_spec() -> ModuleSpec:
     """A pre-norm transformer layer: norm -> attention -> residual, norm -> MLP -> residual."""
     return ModuleSpec(
         module=TransformerLayer,
@@ -53,9 +50,9 @@ def transformer_layer_spec(
                 module=SelfAttention,
                 params={"attn_mask_type": AttnMaskType.causal},
                 submodules=SelfAttentionSubmodules(
-                    linear_qkv=column_linear,
+                    linear_qkv=ColumnParallelLinear,
                     core_attention=DotProductAttention,
-                    linear_proj=row_linear,
+                    linear_proj=RowParallelLinear,
                     q_layernorm=IdentityOp,
                     k_layernorm=IdentityOp,
                 ),
@@ -64,18 +61,11 @@ def transformer_layer_spec(
             pre_mlp_layernorm=SequenceParallelNorm,
             mlp=ModuleSpec(
                 module=MLP,
-                submodules=MLPSubmodules(linear_fc1=column_linear, linear_fc2=row_linear),
+                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
             ),
             mlp_bda=get_bias_dropout_add,
         ),
     )
-
-
-def taco_layer_spec() -> ModuleSpec:
-    """The same layer with TACO's compressed-communication linears (stock behaviour until attached)."""
-    from megatron_taco.megatron.taco_linears import TacoColumnParallelLinear, TacoRowParallelLinear
-
-    return transformer_layer_spec(TacoColumnParallelLinear, TacoRowParallelLinear)
 
 
 def decoder_block_spec(

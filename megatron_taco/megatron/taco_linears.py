@@ -1,8 +1,8 @@
-"""Column/RowParallelLinear subclasses whose TP traffic goes through ``megatron_taco.comm``.
+"""TACO on megatron-core's local Column/RowParallelLinear: their TP traffic goes through ``megatron_taco.comm``.
 
-Placed in the layer spec (:func:`megatron_taco.megatron.specs.transformer_layer_spec`),
-they behave exactly like megatron-core's linears until a :class:`LinearCompression`
-is attached (``attach.attach_taco``). Then:
+:func:`compress_local_linear` installs on a *built* linear (whatever layer spec, builder or call
+pattern produced it): it replaces the instance's ``_forward_impl`` (the matrix multiply that
+megatron-core's ``forward`` calls) by one that takes the communication out of it. Then:
 
 =====================  ============================  ===============================
 linear                 forward                       backward
@@ -13,13 +13,12 @@ Row, SP                reduce-scatter of the output  all-gather of the output gr
 Row, no SP             all-reduce of the output      (identity)
 =====================  ============================  ===============================
 
-Each direction is compressed with its own codec, or not (None). The
-configuration object is captured in the autograd ``ctx``, so backward uses the
-settings of the forward that produced it. The stock ``_forward_impl`` still does
-the matrix multiply (and weight-gradient accumulation); the wrappers only take
-the communication out of it. The column SP path keeps the gathered input for
-the weight gradient instead of re-gathering it in backward (more activation
-memory, one collective less).
+Each direction is compressed with its own codec, or not (None). The configuration object is
+captured in the autograd ``ctx``, so backward uses the settings of the forward that produced it.
+The stock ``_forward_impl`` still does the matrix multiply (and weight-gradient accumulation).
+The column SP path keeps the gathered input for the weight gradient instead of re-gathering it in
+backward (more activation memory, one collective less). With ``None`` attached, or when no message
+of the linear reaches ``min_bytes``, the linear runs megatron-core's own code exactly.
 """
 
 from __future__ import annotations
@@ -58,22 +57,29 @@ class LinearCompression:
             return self._fixed
         key = (group, self.chunk_bytes)  # the link probe runs once per process group
         if key not in _AUTO_OPTIONS:
-            _AUTO_OPTIONS[key] = auto_options(group, device, chunk_bytes=self.chunk_bytes)[0]
+            _AUTO_OPTIONS[key] = auto_options(group, device, chunk_bytes=self.chunk_bytes, report=True)[0]
         return _AUTO_OPTIONS[key]
 
-    def compresses_any(self, group: dist.ProcessGroup, device: torch.device, fwd_bytes: int, bwd_bytes: int) -> bool:
-        """Whether a forward or backward message of these sizes would go compressed. When neither would,
-        the linear takes megatron-core's stock path, which overlaps its communication with compute."""
+    def codec(self, direction: str) -> Optional[TacoCodec]:
+        return self.fwd_codec if direction == "fwd" else self.bwd_codec
+
+    def run(self, collective: str, x: torch.Tensor, group: dist.ProcessGroup, direction: str) -> torch.Tensor:
+        """``comm.<collective>`` of ``x`` with this linear's codec for ``direction``, recorded in the telemetry."""
+        codec, options = self.codec(direction), self.options(group, x.device)
+        TELEMETRY.record((self.name, collective, direction), x, codec, comm.compresses(x, codec, options))
+        return getattr(comm, collective)(x, group, codec, options)
+
+    def goes_stock(self, group: dist.ProcessGroup, device: torch.device, messages: dict) -> bool:
+        """Whether no message of ``messages`` ({(collective, direction): bytes}) would be compressed. Then
+        the linear takes megatron-core's stock path (which overlaps its communication with compute) and
+        the messages are recorded as sent uncompressed."""
         min_bytes = self.options(group, device).min_bytes
-        return (self.fwd_codec is not None and fwd_bytes >= min_bytes) or (
-            self.bwd_codec is not None and bwd_bytes >= min_bytes
-        )
-
-
-def _run(kind: str, x: torch.Tensor, group, codec: Optional[TacoCodec], cfg: LinearCompression, direction: str):
-    options = cfg.options(group, x.device)
-    TELEMETRY.record((cfg.name, kind, direction), x, codec, comm.compresses(x, codec, options))
-    return getattr(comm, kind)(x, group, codec, options)
+        if any(self.codec(direction) is not None and nbytes >= min_bytes
+               for (_, direction), nbytes in messages.items()):
+            return False
+        for (collective, direction), nbytes in messages.items():
+            TELEMETRY.record_uncompressed((self.name, collective, direction), nbytes)
+        return True
 
 
 class _TensorParallelComm(torch.autograd.Function):
@@ -88,73 +94,68 @@ class _TensorParallelComm(torch.autograd.Function):
         ctx.group, ctx.cfg, ctx.backward_kind = group, cfg, backward_kind
         if forward_kind is None:
             return x.view_as(x)
-        return _run(forward_kind, x, group, cfg.fwd_codec, cfg, "fwd")
+        return cfg.run(forward_kind, x, group, "fwd")
 
     @staticmethod
     def backward(ctx, grad):
         if ctx.backward_kind is not None:
-            grad = _run(ctx.backward_kind, grad, ctx.group, ctx.cfg.bwd_codec, ctx.cfg, "bwd")
+            grad = ctx.cfg.run(ctx.backward_kind, grad, ctx.group, "bwd")
         return grad, None, None, None, None
 
 
-class TacoColumnParallelLinear(ColumnParallelLinear):
-    """ColumnParallelLinear whose input gather / input-grad reduction can be compressed."""
-
-    taco: Optional[LinearCompression] = None
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._stock_forward_impl = self._forward_impl
-        self._forward_impl = self._taco_forward_impl
-
-    def _taco_forward_impl(self, input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        cfg = self.taco
-        sp, allreduce = kwargs.get("sequence_parallel"), kwargs.get("allreduce_dgrad")
-        if cfg is None or not (sp or allreduce):
-            return self._stock_forward_impl(input=input, **kwargs)
-        nbytes = input.numel() * input.element_size()
-        world = dist.get_world_size(self.tp_group)
-        # SP: all-gather of the shard forward, reduce-scatter of the gathered grad backward
-        fwd_bytes, bwd_bytes = (nbytes, nbytes * world) if sp else (0, nbytes)
-        if not cfg.compresses_any(self.tp_group, input.device, fwd_bytes, bwd_bytes):
-            return self._stock_forward_impl(input=input, **kwargs)
-        kinds = ("all_gather", "reduce_scatter") if sp else (None, "all_reduce")
-        input = _TensorParallelComm.apply(input, self.tp_group, cfg, *kinds)
-        kwargs.update(sequence_parallel=False, allreduce_dgrad=False)
-        return self._stock_forward_impl(input=input, **kwargs)
+def _column_forward_impl(linear: ColumnParallelLinear, input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    cfg: Optional[LinearCompression] = linear.taco
+    sp, allreduce = kwargs.get("sequence_parallel"), kwargs.get("allreduce_dgrad")
+    if cfg is None or not (sp or allreduce):
+        return linear.stock_forward_impl(input=input, **kwargs)
+    nbytes = input.numel() * input.element_size()
+    world = dist.get_world_size(linear.tp_group)
+    # SP: all-gather of the shard forward, reduce-scatter of the gathered grad backward
+    kinds = ("all_gather", "reduce_scatter") if sp else (None, "all_reduce")
+    messages = {(kinds[1], "bwd"): nbytes * world if sp else nbytes}
+    if sp:
+        messages[(kinds[0], "fwd")] = nbytes
+    if cfg.goes_stock(linear.tp_group, input.device, messages):
+        return linear.stock_forward_impl(input=input, **kwargs)
+    input = _TensorParallelComm.apply(input, linear.tp_group, cfg, *kinds)
+    kwargs.update(sequence_parallel=False, allreduce_dgrad=False)
+    return linear.stock_forward_impl(input=input, **kwargs)
 
 
-class TacoRowParallelLinear(RowParallelLinear):
-    """RowParallelLinear whose output reduce-scatter / all-reduce can be compressed."""
+def _row_forward_impl(linear: RowParallelLinear, input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+    output = linear.stock_forward_impl(input=input, **kwargs)
+    cfg: Optional[LinearCompression] = linear.taco
+    # megatron-core's forward reads ``explicit_expert_comm`` after this returns: True makes it skip
+    # its own reduction (done here, compressed); the stock value lets it reduce as usual.
+    linear.explicit_expert_comm = linear.stock_explicit_expert_comm
+    world = dist.get_world_size(linear.tp_group)
+    if cfg is None or world == 1:
+        return output
+    nbytes = output.numel() * output.element_size()
+    # SP: reduce-scatter of the full output forward, all-gather of the grad shard backward
+    kinds = ("reduce_scatter", "all_gather") if linear.sequence_parallel else ("all_reduce", None)
+    messages = {(kinds[0], "fwd"): nbytes}
+    if linear.sequence_parallel:
+        messages[(kinds[1], "bwd")] = nbytes // world
+    if cfg.goes_stock(linear.tp_group, output.device, messages):
+        return output
+    linear.explicit_expert_comm = True
+    return _TensorParallelComm.apply(output, linear.tp_group, cfg, *kinds)
 
-    taco: Optional[LinearCompression] = None
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._stock_explicit_expert_comm = self.explicit_expert_comm
-        self._stock_forward_impl = self._forward_impl
-        self._forward_impl = self._taco_forward_impl
-
-    def set_taco(self, cfg: Optional[LinearCompression]) -> None:
-        """Attach (or detach with None)."""
-        if cfg is not None and not self.skip_bias_add:
-            raise ValueError("TacoRowParallelLinear needs skip_bias_add=True (the bias is added after the reduction)")
-        self.taco = cfg
-
-    def _taco_forward_impl(self, input: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        output = self._stock_forward_impl(input=input, **kwargs)
-        cfg = self.taco
-        # megatron-core's forward reads ``explicit_expert_comm`` after this returns: True makes it skip
-        # its own reduction (done here, compressed); the stock value lets it reduce as usual.
-        self.explicit_expert_comm = self._stock_explicit_expert_comm
-        if cfg is None or dist.get_world_size(self.tp_group) == 1:
-            return output
-        nbytes = output.numel() * output.element_size()
-        world = dist.get_world_size(self.tp_group)
-        # SP: reduce-scatter of the full output forward, all-gather of the grad shard backward
-        fwd_bytes, bwd_bytes = (nbytes, nbytes // world) if self.sequence_parallel else (nbytes, 0)
-        if not cfg.compresses_any(self.tp_group, output.device, fwd_bytes, bwd_bytes):
-            return output
-        self.explicit_expert_comm = True
-        kinds = ("reduce_scatter", "all_gather") if self.sequence_parallel else ("all_reduce", None)
-        return _TensorParallelComm.apply(output, self.tp_group, cfg, *kinds)
+def compress_local_linear(linear: torch.nn.Module, cfg: Optional[LinearCompression]) -> None:
+    """Route a built megatron-core Column/RowParallelLinear's TP traffic through TACO (``None``: stock)."""
+    if isinstance(linear, RowParallelLinear):
+        if cfg is not None and not linear.skip_bias_add:
+            raise ValueError(f"{cfg.name}: TACO needs skip_bias_add=True on a RowParallelLinear "
+                             "(the bias is added after the reduction)")
+        impl = _row_forward_impl
+    elif isinstance(linear, ColumnParallelLinear):
+        impl = _column_forward_impl
+    else:
+        raise TypeError(f"not a megatron-core Column/RowParallelLinear: {type(linear).__name__}")
+    if not hasattr(linear, "stock_forward_impl"):  # install once; later calls only change the settings
+        linear.stock_forward_impl = linear._forward_impl
+        linear.stock_explicit_expert_comm = getattr(linear, "explicit_expert_comm", False)
+        linear._forward_impl = impl.__get__(linear)
+    linear.taco = cfg

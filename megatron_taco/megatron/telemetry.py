@@ -59,6 +59,14 @@ class TacoTelemetry:
         else:
             rec.wire_bytes += nbytes
 
+    def record_uncompressed(self, key: Key, nbytes: int) -> None:
+        """A message of a configured linear that went uncompressed without passing through TACO's collectives
+        (megatron-core's or TE's own path, taken when no message of the linear reaches --taco-min-bytes)."""
+        rec = self.records[key]
+        rec.calls += 1
+        rec.payload_bytes += nbytes
+        rec.wire_bytes += nbytes
+
     def reset(self) -> None:
         self.records.clear()
 
@@ -85,7 +93,11 @@ class TacoTelemetry:
             )
         payload, wire = self.totals()
         if payload:
-            lines.append(f"taco total: {payload / 2**20:.2f} MiB -> {wire / 2**20:.2f} MiB ({payload / wire:.2f}x)")
+            calls = sum(r.calls for r in self.records.values())
+            uncompressed = calls - sum(r.compressed_calls for r in self.records.values())
+            lines.append(f"taco total: {payload / 2**20:.2f} MiB -> {wire / 2**20:.2f} MiB ({payload / wire:.2f}x); "
+                         f"{uncompressed} of {calls} messages of configured linears went uncompressed "
+                         "(below --taco-min-bytes)")
         return lines
 
     def write_tensorboard(self, writer, step: int) -> None:

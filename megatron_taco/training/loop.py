@@ -38,7 +38,7 @@ from megatron_taco.mapl.stage import MaplStage, MaplSync, ScheduleView
 from megatron_taco.mapl.vq import ResidualVQ, packed_width
 from megatron_taco.mapl.wire import IndexWireCommunicator
 from megatron_taco.megatron.attach import attach_taco
-from megatron_taco.megatron.specs import LOCAL_SPEC_CONFIG, taco_layer_spec
+from megatron_taco.megatron.specs import LOCAL_SPEC_CONFIG
 from megatron_taco.megatron.telemetry import TELEMETRY
 from megatron_taco.training.model import ModelShape, build_gpt_model, make_transformer_config
 
@@ -192,8 +192,6 @@ class Trainer:
             extra={**LOCAL_SPEC_CONFIG, **({} if on_gpu else cpu_config_overrides()),
                    "virtual_pipeline_model_parallel_size": cfg.virtual_pipeline},
         )
-        if layer_spec is None and cfg.taco is not None:
-            layer_spec = taco_layer_spec()
         chunks = [build_gpt_model(cfg.shape, self.config, layer_spec, seed=cfg.seed, vp_stage=vp).to(self.device)
                   for vp in (range(cfg.virtual_pipeline) if cfg.virtual_pipeline else [None])]
         self._mapl_stages: list = []
@@ -201,7 +199,7 @@ class Trainer:
             chunks = [self._wrap_mapl(chunk, vp or 0) for vp, chunk in enumerate(chunks)]
             if cfg.mapl.anchor_init == "embedding" and cfg.mapl.anchor_rank > 0:  # before half casts and optimizer
                 start_anchors_from_embedding([stage.module for stage in self._mapl_stages], self.mapl_boundaries)
-        self.taco_layers = attach_taco(chunks, cfg.taco) if cfg.taco is not None else {}
+        self.taco_layers = attach_taco(chunks, cfg.taco).layers if cfg.taco is not None else {}
         if cfg.taco is not None:
             TELEMETRY.error_sample_interval = cfg.taco.error_sample_interval
         if dtype != torch.float32:  # Megatron's mixed precision: half params, fp32 logits and main params

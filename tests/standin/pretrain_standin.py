@@ -1,8 +1,10 @@
-"""A stand-in for Megatron-LM's pretrain_gpt.py, written for the launcher test (no Megatron-LM code).
+"""A stand-in for Megatron-LM 0.19's pretrain_gpt.py (no Megatron-LM code), for the launcher test.
 
-Like the real script it parses its flags with Megatron-LM's argument parser (with an
-extra_args_provider of its own) and builds GPTModel from get_gpt_layer_local_spec; then it
-writes what it got (the parsed TACO flags, the linear classes, the attached settings) as JSON.
+It makes Megatron-LM's calls in Megatron-LM's order: imports ``megatron.training`` (whose model builder
+imports ``get_gpt_layer_local_spec`` by name) before anything else, parses its flags with Megatron-LM's
+argument parser and an extra_args_provider of its own, and builds the model with Megatron-LM's
+``GPTModelBuilder`` (``megatron/training/models/gpt.py``: the positional spec call). Then it writes what
+it got (the parsed TACO flags, the attached settings, the norms) as JSON.
 """
 
 import json
@@ -10,11 +12,10 @@ import socket
 
 import torch.distributed as dist
 from megatron.core import parallel_state
-from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.training.arguments import parse_args
+from megatron.training.arguments import core_transformer_config_from_args, parse_args
+from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
 
 from megatron_taco.megatron.cpu_runtime import cpu_config_overrides, enable_cpu_runtime
 from megatron_taco.megatron.specs import LOCAL_SPEC_CONFIG
@@ -34,17 +35,16 @@ def main():
     enable_cpu_runtime()
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(1)
-    config = TransformerConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                               num_attention_heads=args.num_attention_heads, **LOCAL_SPEC_CONFIG,
-                               **cpu_config_overrides())
-    model = GPTModel(config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=128,
-                     max_sequence_length=args.seq_length)
+    args.params_dtype = args.params_dtype if hasattr(args, "params_dtype") else None
+    config = core_transformer_config_from_args(args)
+    for key, value in {**LOCAL_SPEC_CONFIG, **cpu_config_overrides()}.items():
+        setattr(config, key, value)
+    model = GPTModelBuilder(GPTModelConfig(transformer=config, vocab_size=128, seq_length=args.seq_length)).build_model(
+        ProcessGroupCollection.use_mpu_process_groups())
     report = {
         "taco_mode": args.taco_mode,
         "layers": [
             {
-                "qkv": type(layer.self_attention.linear_qkv).__name__,
-                "fc2": type(layer.mlp.linear_fc2).__name__,
                 "qkv_compressed": getattr(layer.self_attention.linear_qkv, "taco", None) is not None,
                 "fc2_compressed": getattr(layer.mlp.linear_fc2, "taco", None) is not None,
             }

@@ -1,0 +1,322 @@
+"""Acceptance on real Megatron-LM: its own pretrain_gpt.py with TACO, through the launcher and the patch.
+
+    python benchmarks/megatron_lm_check.py --megatron-lm /path/to/Megatron-LM [--rows NAME,... | --suite S]
+        [--megatron-lm-016 /path/to/Megatron-LM-core_v0.16.1] [--json results.json] [--report results.md]
+
+Every row is one ``torchrun --nproc-per-node 2`` run of Megatron-LM's ``pretrain_gpt.py`` with
+``--mock-data`` (TP=2 + sequence parallelism, 8 layers, hidden 2048, sequence 2048, micro-batch 4):
+through ``python -m megatron_taco.launch`` or through a copy of the checkout patched by
+``scripts/apply_patch.sh``. A row's speed is the median of Megatron-LM's own "elapsed time per
+iteration" over the log intervals after the first (warm-up) one; with ``repeats`` > 1 it is the median
+over runs, taken in A-B-A order with its baseline. Its ratio is against the matching uncompressed run
+(``--taco-mode none``, same implementation, precision, model and link) of the same invocation.
+Rows accumulate in the JSON file across invocations (each call of the device machine is limited to
+10 minutes); the report is rewritten from all rows each time.
+Link regimes (DESIGN.md section 5): ``nvlink`` (default NCCL transports) and ``socket``
+(``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from megatron_taco.testing.distributed import LINK_REGIMES  # noqa: E402
+
+MODELS = {
+    "gpt": ["--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", "16",
+            "--max-position-embeddings", "2048"],
+    "qwen": ["--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", "16", "--ffn-hidden-size", "5504",
+             "--group-query-attention", "--num-query-groups", "4", "--add-qkv-bias", "--disable-bias-linear",
+             "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
+             "--untie-embeddings-and-output-weights", "--max-position-embeddings", "2048"],
+}
+COMMON = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "2048",
+          "--micro-batch-size", "4", "--global-batch-size", "4", "--mock-data", "--tokenizer-type", "NullTokenizer",
+          "--vocab-size", "32000", "--lr", "1e-4", "--min-lr", "1e-5", "--lr-decay-style", "constant", "--bf16",
+          "--log-interval", "5", "--eval-iters", "0", "--eval-interval", "100000", "--seed", "1234",
+          "--distributed-backend", "nccl", "--taco-log-interval", "5"]
+IMPLS = {  # without apex, the local implementation needs the fused paths off
+    "local": ["--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
+              "--no-masked-softmax-fusion", "--no-rope-fusion"],
+    "te": ["--transformer-impl", "transformer_engine"],
+}
+PRECISIONS = {"bf16": [], "fp8": ["--fp8-format", "hybrid", "--fp8-amax-history-len", "16",
+                                  "--fp8-amax-compute-algo", "max"]}
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One Megatron-LM run configuration; ``baseline`` is the row it is compared with."""
+
+    name: str
+    model: str = "gpt"
+    impl: str = "te"
+    precision: str = "bf16"
+    taco: str = "none"
+    link: str = "socket"
+    path: str = "launcher"  # launcher | patch
+    release: str = "0.19"  # 0.19: --megatron-lm; 0.16: --megatron-lm-016
+    repeats: int = 1
+    iters: int = 20
+
+    @property
+    def baseline(self) -> Optional[str]:
+        if self.taco == "none" and self.path == "launcher":
+            return None
+        return f"{self.link}-{self.model}-{self.impl}-{self.precision}-none" + (
+            "-016" if self.release == "0.16" else "")
+
+
+def _row(link, model, impl, precision, taco, **kw) -> Row:
+    name = f"{link}-{model}-{impl}-{precision}-{taco}" + ("-patch" if kw.get("path") == "patch" else "") + (
+        "-016" if kw.get("release") == "0.16" else "")
+    return Row(name, model, impl, precision, taco, link, **kw)
+
+
+ROWS = [
+    # sockets, GPT, TP=2 + SP: local and TE layers, bf16 and TE FP8 training, none / fp8 / fp8-ash
+    _row("socket", "gpt", "local", "bf16", "none"),
+    _row("socket", "gpt", "local", "bf16", "fp8-ash"),
+    _row("socket", "gpt", "te", "bf16", "none", repeats=3),
+    _row("socket", "gpt", "te", "bf16", "fp8-ash", repeats=3),
+    _row("socket", "gpt", "te", "bf16", "fp8"),
+    _row("socket", "gpt", "te", "fp8", "none", repeats=3),
+    _row("socket", "gpt", "te", "fp8", "fp8-ash", repeats=3),
+    # the patch path (its baseline: the launcher's uncompressed run; the hooks are the same)
+    _row("socket", "gpt", "te", "bf16", "fp8-ash", path="patch"),
+    _row("socket", "gpt", "local", "bf16", "fp8-ash", path="patch"),
+    # Qwen-style: RMSNorm, SwiGLU, RoPE, GQA, qkv bias, untied embeddings
+    _row("socket", "qwen", "te", "bf16", "none"),
+    _row("socket", "qwen", "te", "bf16", "fp8-ash"),
+    _row("socket", "qwen", "local", "bf16", "fp8-ash", iters=15),
+    # NVLink with --taco-min-bytes auto (the link probe should switch compression off)
+    _row("nvlink", "gpt", "te", "bf16", "none", repeats=3),
+    _row("nvlink", "gpt", "te", "bf16", "fp8-ash", repeats=3),
+    # Megatron-LM core_v0.16.1
+    _row("socket", "gpt", "local", "bf16", "none", release="0.16"),
+    _row("socket", "gpt", "local", "bf16", "fp8-ash", release="0.16"),
+    _row("socket", "gpt", "te", "bf16", "fp8-ash", release="0.16", path="patch"),
+]
+SUITES = {
+    "smoke": ["socket-gpt-local-bf16-none", "socket-gpt-local-bf16-fp8-ash", "socket-gpt-te-bf16-none",
+              "socket-gpt-te-bf16-fp8-ash"],
+    "all": [row.name for row in ROWS],
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _patched_copy(checkout: str, work: str) -> str:
+    """A copy of the checkout with scripts/apply_patch.sh applied (made once per invocation)."""
+    dest = os.path.join(work, "patched-" + os.path.basename(os.path.abspath(checkout)))
+    if not os.path.isdir(dest):
+        shutil.copytree(checkout, dest, symlinks=True)
+        subprocess.run(["bash", os.path.join(ROOT, "scripts", "apply_patch.sh"), dest], check=True)
+    return dest
+
+
+def command(row: Row, checkout: str, port: int) -> List[str]:
+    script = os.path.join(checkout, "pretrain_gpt.py")
+    entry = ["-m", "megatron_taco.launch", script] if row.path == "launcher" else [script]
+    flags = [*MODELS[row.model], *COMMON, *IMPLS[row.impl], *PRECISIONS[row.precision],
+             "--train-iters", str(row.iters), "--taco-mode", row.taco]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
+            *entry, *flags]
+
+
+_ITER_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration \(ms\): ([\d.]+)")
+_LOSS = re.compile(r"lm loss: ([\d.E+-]+)")
+
+
+def parse_log(text: str) -> Dict:
+    """What a Megatron-LM log says: per-interval ms/iter, final loss, TACO's start-up and telemetry lines."""
+    intervals = [float(ms) for _, ms in _ITER_MS.findall(text)]
+    losses = _LOSS.findall(text)
+    lines = text.splitlines()
+
+    def last(prefix):
+        found = [line.split("]", 1)[-1].strip() for line in lines if prefix in line]
+        return found[-1] if found else None
+
+    return {
+        "interval_ms": intervals,
+        "ms_per_iter": statistics.median(intervals[1:]) if len(intervals) > 1 else None,
+        "final_loss": float(losses[-1]) if losses else None,
+        "telemetry": last("taco total:"),
+        "attached": last("megatron_taco: TACO"),
+        "link_policy": last("--taco-min-bytes auto:"),
+        "megatron": last("megatron_taco: megatron-core"),
+    }
+
+
+def run_row(row: Row, checkouts: Dict[str, str], work: str, log_dir: str, attempt: int) -> Dict:
+    checkout = checkouts[row.release]
+    if row.path == "patch":
+        checkout = _patched_copy(checkout, work)
+    port = _free_port()  # chosen before the fork, one per run
+    env = {**os.environ, **LINK_REGIMES[row.link], "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONWARNINGS": "ignore",
+           "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    cmd = command(row, checkout, port)
+    start = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    with open(os.path.join(log_dir, f"{row.name}.{attempt}.log"), "w") as f:
+        f.write(" ".join(cmd) + "\n" + log)
+    result = {"row": dataclasses.asdict(row), "attempt": attempt, "returncode": proc.returncode,
+              "wall_s": round(time.time() - start, 1), **parse_log(log)}
+    if proc.returncode != 0:
+        errors = [line for line in log.splitlines() if "Error" in line or "error:" in line]
+        result["error"] = errors[-1][-300:] if errors else log[-300:]
+    status = f"{result['ms_per_iter']:.1f} ms/iter" if result["ms_per_iter"] else f"FAILED: {result.get('error')}"
+    print(f"[{datetime.datetime.now():%H:%M:%S}] {row.name} (run {attempt}): {status}, loss {result['final_loss']}, "
+          f"{result['wall_s']} s", flush=True)
+    return result
+
+
+def _schedule(rows: List[Row]) -> List[Row]:
+    """Runs in A-B-A order: each repeat of a compared row follows a repeat of its baseline."""
+    order: List[Row] = []
+    for attempt in range(max(row.repeats for row in rows)):
+        order += [row for row in rows if attempt < row.repeats]
+    return order
+
+
+def summarise(results: List[Dict]) -> Dict[str, Dict]:
+    """Per row: the runs' medians, their median, the ratio against its baseline."""
+    by_row: Dict[str, Dict] = {}
+    for result in results:
+        entry = by_row.setdefault(result["row"]["name"], {"row": result["row"], "runs": []})
+        entry["runs"].append(result)
+    for entry in by_row.values():
+        speeds = [r["ms_per_iter"] for r in entry["runs"] if r["ms_per_iter"]]
+        entry["ms_per_iter"] = statistics.median(speeds) if speeds else None
+    for name, entry in by_row.items():
+        base = by_row.get(Row(**entry["row"]).baseline or "")
+        if base and base["ms_per_iter"] and entry["ms_per_iter"]:
+            entry["ratio"] = base["ms_per_iter"] / entry["ms_per_iter"]
+    return by_row
+
+
+def write_report(results: List[Dict], path: str, meta: Dict) -> None:
+    rows = summarise(results)
+    out = [
+        "# Megatron-LM acceptance: real pretrain_gpt.py with TACO",
+        "",
+        f"Written by `benchmarks/megatron_lm_check.py` ({meta['command']}); project commit {meta['commit']}; "
+        f"{meta['hardware']}; {meta['versions']}; {meta['date']}.",
+        "",
+        "TP=2 + SP, 8 layers, hidden 2048, sequence 2048, micro-batch 4 (8192 tokens/iteration), `--mock-data`, "
+        "bf16 parameters. ms/iter: median of Megatron-LM's per-interval times after the first interval (5 "
+        "iterations each), median over runs where runs > 1 (A-B-A order with the baseline). Ratio: tokens/s "
+        "against the uncompressed run of the same implementation, precision, model and link (`none` row).",
+        "",
+        "| row | path | Megatron-LM | model | layers | precision | link | TACO | runs | ms/iter | ratio | "
+        "final loss | telemetry |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, entry in rows.items():
+        row = entry["row"]
+        failed = [r for r in entry["runs"] if r["returncode"] != 0]
+        speed = f"{entry['ms_per_iter']:.1f}" if entry["ms_per_iter"] else "failed"
+        runs = ", ".join(f"{r['ms_per_iter']:.0f}" if r["ms_per_iter"] else "x" for r in entry["runs"])
+        ratio = f"{entry['ratio']:.2f}x" if "ratio" in entry else ("-" if row["taco"] == "none" else "n/a")
+        losses = [r["final_loss"] for r in entry["runs"] if r["final_loss"] is not None]
+        telemetry = (entry["runs"][-1].get("telemetry") or "").replace("taco total: ", "")
+        telemetry = telemetry.split(";")[0] if telemetry else "-"
+        out.append(f"| {name} | {row['path']} | {row['release']} | {row['model']} | {row['impl']} | "
+                   f"{row['precision']} | {row['link']} | {row['taco']} | {runs} | {speed} | {ratio} | "
+                   f"{losses[-1] if losses else '-'} | {telemetry} |")
+        for r in failed:
+            out.append(f"|  | ↳ run {r['attempt']} failed: `{r.get('error', '')[:200]}` |||||||||||")
+    policies = sorted({r["link_policy"] for r in results if r.get("link_policy")})
+    if policies:
+        out += ["", "Link policy decisions (`--taco-min-bytes auto`, printed by rank 0):", ""]
+        out += [f"- `{p}`" for p in policies]
+    attached = sorted({r["attached"] for r in results if r.get("attached")})
+    if attached:
+        out += ["", "Start-up lines:", ""] + [f"- `{a}`" for a in attached]
+    with open(path, "w") as f:
+        f.write("\n".join(out) + "\n")
+
+
+def _meta(args) -> Dict:
+    def sh(cmd):
+        try:
+            return subprocess.run(cmd, capture_output=True, text=True, shell=True, cwd=ROOT).stdout.strip()
+        except OSError:
+            return "?"
+
+    versions = sh(f"{sys.executable} -c \"import torch, triton; print('torch', torch.__version__, 'triton', "
+                  f"triton.__version__)\"")
+    te = sh(f"{sys.executable} -c \"import transformer_engine; print('TE', transformer_engine.__version__)\" "
+            "2>/dev/null")
+    return {"command": "python benchmarks/megatron_lm_check.py " + " ".join(args),
+            "commit": sh("git rev-parse --short HEAD") or os.environ.get("PROJECT_COMMIT", "?"),
+            "hardware": sh("nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs"),
+            "versions": f"{versions}, {te or 'no TE'}, Python {sys.version.split()[0]}",
+            "date": f"{datetime.datetime.now():%Y-%m-%d}"}
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--megatron-lm", required=True, help="Megatron-LM checkout (core_r0.19.x)")
+    parser.add_argument("--megatron-lm-016", help="Megatron-LM core_v0.16.1 checkout (its rows are skipped without)")
+    parser.add_argument("--rows", help="comma-separated row names (see --list)")
+    parser.add_argument("--suite", default="all", choices=sorted(SUITES))
+    parser.add_argument("--repeats", type=int, help="override every row's number of runs")
+    parser.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "megatron_lm.json"))
+    parser.add_argument("--report", default=os.path.join(ROOT, "benchmarks", "results", "megatron_lm.md"))
+    parser.add_argument("--logs", default="megatron_lm_logs", help="folder for the runs' full logs")
+    parser.add_argument("--list", action="store_true")
+    args = parser.parse_args(argv)
+    by_name = {row.name: row for row in ROWS}
+    if args.list:
+        print("\n".join(f"{row.name}  (baseline: {row.baseline or '-'}, runs {row.repeats})" for row in ROWS))
+        return
+    names = args.rows.split(",") if args.rows else SUITES[args.suite]
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise SystemExit(f"error: --rows: unknown {unknown}; see --list")
+    checkouts = {"0.19": args.megatron_lm, "0.16": args.megatron_lm_016}
+    for name, checkout in checkouts.items():
+        if checkout and not os.path.isfile(os.path.join(checkout, "pretrain_gpt.py")):
+            raise SystemExit(f"error: {checkout} has no pretrain_gpt.py (a Megatron-LM checkout is needed)")
+    rows = [by_name[n] for n in names if checkouts[by_name[n].release]]
+    if args.repeats:
+        rows = [dataclasses.replace(row, repeats=args.repeats) for row in rows]
+    os.makedirs(args.logs, exist_ok=True)
+    work = os.path.abspath(os.path.join(args.logs, "checkouts"))
+    os.makedirs(work, exist_ok=True)
+    results = json.load(open(args.json))["results"] if os.path.exists(args.json) else []
+    attempts: Dict[str, int] = {}
+    for row in _schedule(rows):
+        attempts[row.name] = attempts.get(row.name, sum(r["row"]["name"] == row.name for r in results)) + 1
+        results.append(run_row(row, checkouts, work, args.logs, attempts[row.name]))
+        meta = _meta(argv)
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+        write_report(results, args.report, meta)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""TACO on Transformer Engine's linears: their TP traffic goes through ``megatron_taco.comm``.
+
+TE 2.x modules (``Linear``, ``LayerNormLinear``, ``LayerNormMLP``) do their tensor-parallel
+communication inside their autograd Functions, through ``gather_along_first_dim``,
+``reduce_scatter_along_first_dim`` and ``allreduce`` of ``transformer_engine.pytorch.distributed``,
+which each module file imports by name. :func:`install_te_hooks` (once per process) replaces those
+names in the module files, and wraps the Functions' forward and backward so that a call knows which
+module runs it: the module's forward puts its :class:`TeCompression` in a thread-local; the
+Function's forward keeps it in the autograd ``ctx``; the Function's backward puts it back (autograd
+runs backward on its own thread, so the thread-local is per thread).
+
+Which linear and direction a message belongs to follows from where TE sends it:
+
+===================================  ==========================================================
+call                                 message
+===================================  ==========================================================
+gather in linear/layernorm_* files   input of the column linear (forward; in backward the same
+                                     activations again for the weight gradient: forward codec)
+gather in base.py                    output grad of the row linear (``grad_output_preprocess``)
+reduce-scatter / all-reduce          forward: output of the row linear; backward: input grad of
+                                     the column linear
+===================================  ==========================================================
+
+Left to TE: all-gathers TE does in FP8 (a quantizer is given, or the input is already a quantized
+tensor: with ``--fp8-format`` training TE's forward all-gather already travels in FP8), and calls with
+preallocated outputs or coalescing. Userbuffers (``--tp-comm-overlap``) bypass these functions; the
+flag check refuses that combination.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import threading
+from typing import Any, Callable, Optional
+
+import torch
+
+from megatron_taco.megatron.taco_linears import LinearCompression
+
+# TE module file -> its autograd Function class (None: the file only sends output grads of row linears)
+_TE_FILES = {
+    "transformer_engine.pytorch.module.linear": "_Linear",
+    "transformer_engine.pytorch.module.layernorm_linear": "_LayerNormLinear",
+    "transformer_engine.pytorch.module.layernorm_mlp": "_LayerNormMLP",
+    "transformer_engine.pytorch.module.base": None,
+}
+_COLLECTIVES = {  # TE's name -> megatron_taco.comm's
+    "gather_along_first_dim": "all_gather",
+    "reduce_scatter_along_first_dim": "reduce_scatter",
+    "allreduce": "all_reduce",
+}
+_ACTIVE = threading.local()  # .settings: the TeCompression of the module running now; .backward: bool
+
+
+@dataclasses.dataclass
+class TeCompression:
+    """The linears of one TE module: a column one, a row one, or both (``LayerNormMLP``: fc1 and fc2)."""
+
+    column: Optional[LinearCompression] = None
+    row: Optional[LinearCompression] = None
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, OSError, RuntimeError):  # not installed, or no CUDA to load its library
+        return False
+    return True
+
+
+def is_te_linear(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is a TE Linear / LayerNormLinear / LayerNormMLP (without importing TE when absent)."""
+    if not type(module).__module__.startswith(("transformer_engine", "megatron.core.extensions")):
+        return False
+    import transformer_engine.pytorch as te
+
+    return isinstance(module, (te.Linear, te.LayerNormLinear, te.LayerNormMLP))
+
+
+def _message(te_file: str, collective: str, quantizer: Any, inp: torch.Tensor):
+    """(LinearCompression, direction) for this call, or None when TE sends it itself."""
+    settings: Optional[TeCompression] = getattr(_ACTIVE, "settings", None)
+    if settings is None or quantizer is not None or type(inp) is not torch.Tensor:
+        return None
+    if collective == "all_gather":
+        if te_file.endswith(".base"):
+            return settings.row, "bwd"
+        return settings.column, "fwd"
+    if getattr(_ACTIVE, "backward", False):
+        return settings.column, "bwd"
+    return settings.row, "fwd"
+
+
+def _intercept(te_file: str, name: str, original: Callable) -> Callable:
+    collective = _COLLECTIVES[name]
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def call(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs).arguments
+        inp = next(iter(bound.values()))
+        preallocated = any(bound.get(k) is not None for k in ("output", "output_tensor")) or bound.get(
+            "external_coalescing")
+        message = None if preallocated else _message(te_file, collective, bound.get("quantizer"), inp)
+        if message is None or message[0] is None:
+            return original(*args, **kwargs)
+        cfg, direction = message
+        group = list(bound.values())[1] if len(bound) > 1 else None
+        return cfg.run(collective, inp.contiguous(), group, direction), None
+
+    call.taco_original = original
+    return call
+
+
+def _with_settings(function_cls: type) -> None:
+    """Wrap an autograd Function's forward/backward so TE's collectives inside know their module."""
+    forward, backward = function_cls.forward, function_cls.backward
+
+    @functools.wraps(forward)
+    def forward_with_settings(ctx, *args, **kwargs):
+        if ctx is not None:
+            ctx.taco_settings = getattr(_ACTIVE, "settings", None)
+        return forward(ctx, *args, **kwargs)
+
+    @functools.wraps(backward)
+    def backward_with_settings(ctx, *grads):
+        saved = getattr(_ACTIVE, "settings", None), getattr(_ACTIVE, "backward", False)
+        _ACTIVE.settings, _ACTIVE.backward = getattr(ctx, "taco_settings", None), True
+        try:
+            return backward(ctx, *grads)
+        finally:
+            _ACTIVE.settings, _ACTIVE.backward = saved
+
+    function_cls.forward = staticmethod(forward_with_settings)
+    function_cls.backward = staticmethod(backward_with_settings)
+
+
+_INSTALLED = {"done": False}
+
+
+def install_te_hooks() -> None:
+    """Route TE's TP collectives through TACO where a module has settings attached (idempotent)."""
+    if _INSTALLED["done"]:
+        return
+    for file_name, function_name in _TE_FILES.items():
+        module = importlib.import_module(file_name)
+        for name in _COLLECTIVES:
+            original = getattr(module, name, None)
+            if original is not None:
+                setattr(module, name, _intercept(file_name, name, getattr(original, "taco_original", original)))
+        if function_name is not None:
+            _with_settings(getattr(module, function_name))
+    _INSTALLED["done"] = True
+
+
+def compress_te_linear(module: torch.nn.Module, settings: Optional[TeCompression]) -> None:
+    """Attach (or, with None, detach) TACO settings to a built TE linear module."""
+    install_te_hooks()
+    if not hasattr(module, "stock_forward"):
+        module.stock_forward = module.forward
+
+        def forward(*args: Any, **kwargs: Any):
+            saved = getattr(_ACTIVE, "settings", None), getattr(_ACTIVE, "backward", False)
+            _ACTIVE.settings, _ACTIVE.backward = module.taco, False
+            try:
+                return module.stock_forward(*args, **kwargs)
+            finally:
+                _ACTIVE.settings, _ACTIVE.backward = saved
+
+        module.forward = forward
+    module.taco = settings
