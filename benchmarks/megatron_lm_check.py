@@ -50,10 +50,10 @@ COMMON = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-len
           "--vocab-size", "32000", "--lr", "1e-4", "--min-lr", "1e-5", "--lr-decay-style", "constant", "--bf16",
           "--log-interval", "5", "--eval-iters", "0", "--eval-interval", "100000", "--seed", "1234",
           "--distributed-backend", "nccl", "--taco-log-interval", "5"]
-IMPLS = {  # without apex, the local implementation needs the fused paths off
+IMPLS = {  # without apex: no gradient-accumulation fusion (the output layer is megatron-core's), local fusions off
     "local": ["--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
               "--no-masked-softmax-fusion", "--no-rope-fusion"],
-    "te": ["--transformer-impl", "transformer_engine"],
+    "te": ["--transformer-impl", "transformer_engine", "--no-gradient-accumulation-fusion"],
 }
 PRECISIONS = {"bf16": [], "fp8": ["--fp8-format", "hybrid", "--fp8-amax-history-len", "16",
                                   "--fp8-amax-compute-algo", "max"]}
@@ -154,7 +154,7 @@ def parse_log(text: str) -> Dict:
     lines = text.splitlines()
 
     def last(prefix):
-        found = [line.split("]", 1)[-1].strip() for line in lines if prefix in line]
+        found = [re.sub(r"^\[rank\d+\]:\s*", "", line).strip() for line in lines if prefix in line]
         return found[-1] if found else None
 
     return {
@@ -184,8 +184,8 @@ def run_row(row: Row, checkouts: Dict[str, str], work: str, log_dir: str, attemp
     result = {"row": dataclasses.asdict(row), "attempt": attempt, "returncode": proc.returncode,
               "wall_s": round(time.time() - start, 1), **parse_log(log)}
     if proc.returncode != 0:
-        errors = [line for line in log.splitlines() if "Error" in line or "error:" in line]
-        result["error"] = errors[-1][-300:] if errors else log[-300:]
+        errors = [line for line in log.splitlines() if re.search(r"^(\[rank\d+\]: )?(\w+Error: |error: )", line)]
+        result["error"] = errors[0][-300:] if errors else log[-300:]
     status = f"{result['ms_per_iter']:.1f} ms/iter" if result["ms_per_iter"] else f"FAILED: {result.get('error')}"
     print(f"[{datetime.datetime.now():%H:%M:%S}] {row.name} (run {attempt}): {status}, loss {result['final_loss']}, "
           f"{result['wall_s']} s", flush=True)
@@ -270,7 +270,7 @@ def _meta(args) -> Dict:
     te = sh(f"{sys.executable} -c \"import transformer_engine; print('TE', transformer_engine.__version__)\" "
             "2>/dev/null")
     return {"command": "python benchmarks/megatron_lm_check.py " + " ".join(args),
-            "commit": sh("git rev-parse --short HEAD") or os.environ.get("PROJECT_COMMIT", "?"),
+            "commit": os.environ.get("PROJECT_COMMIT") or sh("git rev-parse --short HEAD") or "?",
             "hardware": sh("nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs"),
             "versions": f"{versions}, {te or 'no TE'}, Python {sys.version.split()[0]}",
             "date": f"{datetime.datetime.now():%Y-%m-%d}"}
@@ -287,6 +287,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--json", default=os.path.join(ROOT, "benchmarks", "results", "megatron_lm.json"))
     parser.add_argument("--report", default=os.path.join(ROOT, "benchmarks", "results", "megatron_lm.md"))
     parser.add_argument("--logs", default="megatron_lm_logs", help="folder for the runs' full logs")
+    parser.add_argument("--stop-on-failure", action="store_true", help="stop after the first run that fails")
     parser.add_argument("--list", action="store_true")
     args = parser.parse_args(argv)
     by_name = {row.name: row for row in ROWS}
@@ -316,6 +317,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)
         write_report(results, args.report, meta)
+        if args.stop_on_failure and results[-1]["returncode"] != 0:
+            raise SystemExit(f"error: {row.name} failed: {results[-1].get('error')}")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,14 @@ pytestmark = pytest.mark.skipif(
     reason="needs Transformer Engine and 2 GPUs (the GPU machine: ../shared/tools/te_kit.py installs TE)",
 )
 
+
+
+@pytest.fixture(autouse=True)
+def _spawned_ranks(monkeypatch):
+    """Fresh rank processes: the parent may have touched CUDA (TE's import does), which a fork cannot inherit."""
+    monkeypatch.setenv("TACO_TEST_START_METHOD", "spawn")
+
+
 SEQ, BATCH, HIDDEN, FFN = 256, 2, 512, 1024
 # FP8 E4M3 after the Hadamard: relative L2 error of one quantization ~2-3%; two in a row (all-reduce) ~4%
 REL_ERROR_BOUND = 0.06
