@@ -103,14 +103,15 @@ ROWS = [
     # Qwen-style: RMSNorm, SwiGLU, RoPE, GQA, qkv bias, untied embeddings
     _row("socket", "qwen", "te", "bf16", "none"),
     _row("socket", "qwen", "te", "bf16", "fp8-ash"),
-    _row("socket", "qwen", "local", "bf16", "fp8-ash", iters=15),
     # NVLink with --taco-min-bytes auto (the link probe should switch compression off)
+    _row("nvlink", "gpt", "local", "bf16", "none", repeats=3),
+    _row("nvlink", "gpt", "local", "bf16", "fp8-ash", repeats=3),
     _row("nvlink", "gpt", "te", "bf16", "none", repeats=3),
     _row("nvlink", "gpt", "te", "bf16", "fp8-ash", repeats=3),
     # Megatron-LM core_v0.16.1
     _row("socket", "gpt", "local", "bf16", "none", release="0.16"),
     _row("socket", "gpt", "local", "bf16", "fp8-ash", release="0.16"),
-    _row("socket", "gpt", "te", "bf16", "fp8-ash", release="0.16", path="patch"),
+    _row("socket", "gpt", "local", "bf16", "fp8-ash", release="0.16", path="patch"),
 ]
 SUITES = {
     "smoke": ["socket-gpt-local-bf16-none", "socket-gpt-local-bf16-fp8-ash", "socket-gpt-te-bf16-none",
