@@ -9,6 +9,7 @@ a third of that.
 """
 
 import itertools
+import zlib
 
 import pytest
 import torch
@@ -76,7 +77,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     ],
 )
 def test_roundtrip_within_bounds_of_float64(dist, group, fmt, scales):
-    gen = torch.Generator().manual_seed(hash((dist, group, fmt, scales)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((dist, group, fmt, scales)).encode()))
     x = DISTRIBUTIONS[dist]((37, 3, 256), gen)
     codec = TacoCodec(group_size=group, fmt=fmt, scales=scales, backend="torch")
     buf = codec.compress(x)
