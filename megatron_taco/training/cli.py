@@ -3,15 +3,20 @@
 Flags use Megatron-LM's names. A ``--config`` YAML supplies defaults (its
 ``model`` section is a :class:`ModelShape`, its ``training`` section holds
 flag values with ``_`` for ``-``); flags given on the command line win.
+
+A bad flag, value, combination, config file or checkpoint stops the run at
+start-up with one line on rank 0 (a :class:`StartupError`, exit code 2), with
+no traceback or usage block from any rank.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import sys
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -21,7 +26,7 @@ from megatron_taco.config.mapl import add_mapl_args, mapl_config_from_args
 from megatron_taco.mapl.vq import index_bytes
 from megatron_taco.config.taco import TacoConfigError, add_taco_args, taco_config_from_args
 from megatron_taco.megatron.telemetry import TELEMETRY
-from megatron_taco.training.checkpoint import load_checkpoint, save_checkpoint
+from megatron_taco.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from megatron_taco.training.data import byte_text_batches, stdlib_text_files, synthetic_batches
 from megatron_taco.training.loop import LR_DECAY_STYLES, Trainer, TrainConfig, init_distributed
 from megatron_taco.training.model import ModelShape
@@ -84,51 +89,127 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     return parser
 
 
+class StartupError(ValueError):
+    """A bad flag, value, combination, config file or checkpoint, found before training (the message names it)."""
+
+
+def _rank() -> int:
+    """This process's rank, also before torch.distributed is initialised (torchrun's RANK; 0 without it)."""
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def _world_size() -> int:
+    """The number of ranks, also before torch.distributed is initialised (torchrun's WORLD_SIZE; 1 without it)."""
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises StartupError instead of printing a usage block, and prints --help on rank 0 only."""
+
+    def error(self, message: str) -> NoReturn:
+        raise StartupError(f"{message} (see --help)")
+
+    def print_help(self, file=None) -> None:
+        if _rank() == 0:
+            super().print_help(file)
+
+
+# The smallest value of each count flag (--global-batch-size may also be left unset: None).
+_FLAG_MINIMUMS = {
+    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "micro_batch_size": 1,
+    "global_batch_size": 1, "train_iters": 1, "log_interval": 1, "eval_interval": 0, "eval_iters": 0,
+    "save_interval": 0,
+}
+_SECTION_PREFIXES = {"training": "", "taco": "taco_", "mapl": "mapl_"}
+
+
+def _check_counts(args: argparse.Namespace) -> None:
+    for dest, minimum in _FLAG_MINIMUMS.items():
+        value = getattr(args, dest)
+        if value is not None and value < minimum:
+            raise StartupError(f"--{dest.replace('_', '-')}: invalid value {value}; expected an integer >= {minimum}")
+
+
+def _yaml_problem(exc: Exception) -> str:
+    """A YAML parser's complaint in one line: what and where."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        return f"{exc.problem} at line {exc.problem_mark.line + 1}, column {exc.problem_mark.column + 1}"
+    return " ".join(str(exc).split())
+
+
+def _read_config(path: str) -> Dict[str, Any]:
+    """The --config YAML document: a mapping of sections to mappings."""
+    try:
+        with open(path) as f:
+            doc = yaml.safe_load(f) or {}
+    except OSError as exc:
+        raise StartupError(f"--config {path}: {exc.strerror} ({os.path.abspath(path)})") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as exc:
+        raise StartupError(f"--config {path}: not valid YAML: {_yaml_problem(exc)}") from None
+    sections = ["model", *_SECTION_PREFIXES]
+    if not isinstance(doc, dict):
+        raise StartupError(f"--config {path}: expected a mapping of the sections {sections}, got {type(doc).__name__}")
+    unknown_sections = sorted(set(doc) - set(sections))
+    if unknown_sections:
+        raise StartupError(f"--config {path}: unknown sections {unknown_sections}; known: {sections}")
+    for section, values in doc.items():
+        if values is not None and not isinstance(values, dict):
+            raise StartupError(f"--config {path}: section {section} must be a mapping of keys to values, "
+                               f"got {values!r}")
+    return doc
+
+
+def _section_keys(parser: argparse.ArgumentParser, prefix: str) -> List[str]:
+    """The keys a config section takes: its flags' names without ``prefix``, with ``_`` for ``-``."""
+    dests = {action.dest for action in parser._actions} - {"help", "config"}
+    if prefix:
+        return sorted(dest[len(prefix):] for dest in dests if dest.startswith(prefix))
+    return sorted(dest for dest in dests if not dest.startswith(("taco_", "mapl_")))
+
+
 def _apply_config_defaults(parser: argparse.ArgumentParser, argv: List[str]) -> Dict[str, Any]:
     """Read ``--config`` (if any), set its flag values as parser defaults; return its model section.
 
     Sections: ``training`` (trainer flags), ``taco`` and ``mapl`` (the --taco-* / --mapl-* flags
     without their prefix). Keys use ``_`` for ``-``; a null value keeps the flag's default.
     """
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = _Parser(add_help=False)
     pre.add_argument("--config")
     known, _ = pre.parse_known_args(argv)
     if not known.config:
         return {}
-    with open(known.config) as f:
-        doc = yaml.safe_load(f) or {}
-    unknown_sections = sorted(set(doc) - {"model", "training", "taco", "mapl"})
-    if unknown_sections:
-        parser.error(f"{known.config}: unknown sections {unknown_sections}; use model, training, taco, mapl")
+    doc = _read_config(known.config)
     defaults = {}
-    for section, prefix in (("training", ""), ("taco", "taco_"), ("mapl", "mapl_")):
-        for key, value in (doc.get(section) or {}).items():
-            if value is not None:
-                defaults[prefix + key] = value
-    dests = {action.dest for action in parser._actions}
-    unknown = sorted(k for k in defaults if k not in dests)
-    if unknown:
-        parser.error(f"{known.config}: unknown keys {unknown}")
+    for section, prefix in _SECTION_PREFIXES.items():
+        values = doc.get(section) or {}
+        allowed = _section_keys(parser, prefix)
+        unknown = sorted(set(values) - set(allowed))
+        if unknown:
+            raise StartupError(f"--config {known.config}: unknown keys {unknown} in section {section}; "
+                               f"known: {allowed}")
+        defaults.update({prefix + key: value for key, value in values.items() if value is not None})
     parser.set_defaults(**defaults)
-    return doc.get("model", {}) or {}
+    return doc.get("model") or {}
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """The trainer's flags over the --config defaults, checked one by one (StartupError names the flag)."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = add_mapl_args(add_taco_args(add_training_args(argparse.ArgumentParser(description=__doc__))))
+    parser = add_mapl_args(add_taco_args(add_training_args(_Parser(description=__doc__))))
     model = _apply_config_defaults(parser, argv)
     args = parser.parse_args(argv)
+    _check_counts(args)
     try:
         args.taco = taco_config_from_args(args)
         args.mapl = mapl_config_from_args(args)
     except TacoConfigError as exc:  # MaplConfigError is one too
-        parser.error(str(exc))
+        raise StartupError(str(exc)) from None
     if not model:
-        parser.error("--config with a model section is required")
+        raise StartupError("--config with a model section is required")
     try:
         args.shape = ModelShape.from_dict(model)
     except (TypeError, ValueError) as exc:
-        parser.error(f"{args.config}: model section: {exc}")
+        raise StartupError(f"--config {args.config}: model section: {exc}") from None
     return args
 
 
@@ -161,8 +242,8 @@ def _num_microbatches(args: argparse.Namespace, data_parallel: int) -> int:
     global_batch = args.global_batch_size or per_step
     if global_batch % per_step:
         raise ValueError(
-            f"--global-batch-size {global_batch} is not divisible by --micro-batch-size x "
-            f"data-parallel size = {args.micro_batch_size} x {data_parallel}"
+            f"--global-batch-size {global_batch}: must be a multiple of --micro-batch-size x data-parallel size "
+            f"= {args.micro_batch_size} x {data_parallel} = {per_step}"
         )
     return global_batch // per_step
 
@@ -215,16 +296,53 @@ def _train_config(args: argparse.Namespace, data_parallel: int) -> TrainConfig:
     )
 
 
-def main(argv: Optional[List[str]] = None) -> List[float]:
-    args = parse_args(argv)
-    init_distributed()
-    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
-    data_parallel = dist.get_world_size() // model_parallel
+def _check_resume(load: str, train_iters: int) -> None:
+    step = latest_step(load)
+    if step is None:
+        raise StartupError(f"--load {load}: no checkpoint (missing {os.path.join(load, 'latest')})")
+    if step >= train_iters:
+        raise StartupError(f"--load {load}: its checkpoint is at step {step}, so --train-iters {train_iters} leaves "
+                           f"nothing to train; use --train-iters > {step}")
+
+
+def startup_config(args: argparse.Namespace, world_size: int) -> TrainConfig:
+    """The run's TrainConfig on ``world_size`` ranks, after every check that needs no model (StartupError
+    names the flag). The trainer runs it before it initialises torch.distributed or builds anything."""
+    data_parallel = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
     try:
         cfg = _train_config(args, data_parallel)
     except ValueError as exc:  # invalid combinations: the message names the flags
-        raise SystemExit(f"error: {exc}") from None
-    trainer = Trainer(cfg)
+        raise StartupError(str(exc)) from None
+    if args.load:
+        _check_resume(args.load, args.train_iters)
+    return cfg
+
+
+def _exit_with_line(message: str, code: int) -> NoReturn:
+    if _rank() == 0:
+        print(message, file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def main(argv: Optional[List[str]] = None) -> List[float]:
+    """Train as the flags say; return the loss of every step run.
+
+    A StartupError ends every rank with exit code 2; rank 0 prints one line.
+    """
+    try:
+        return _train(parse_args(argv))
+    except StartupError as exc:
+        _exit_with_line(f"error: {exc}", 2)
+
+
+def _train(args: argparse.Namespace) -> List[float]:
+    cfg = startup_config(args, _world_size())
+    init_distributed()
+    data_parallel = dist.get_world_size() // (cfg.tensor_parallel * cfg.pipeline_parallel)
+    try:
+        trainer = Trainer(cfg)
+    except ValueError as exc:  # a layout the world cannot hold, a dtype the device cannot train: the flag is named
+        raise StartupError(str(exc)) from None
     device = "cuda" if torch.cuda.is_available() else "cpu"
     _log(
         f"megatron_taco trainer: world {dist.get_world_size()} TP {cfg.tensor_parallel} "
@@ -246,13 +364,15 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
              + (f", residual VQ {args.mapl.vq_levels} x {args.mapl.vq_codes} codes "
                 f"({args.mapl.vq_levels * index_bytes(args.mapl.vq_codes)} bytes/token forward)"
                 if args.mapl.vq_levels else ""))
-    # one identical stream per model chunk (the interleaved schedule reads each chunk's own)
-    streams = [make_data(args.data, cfg, args.seed, trainer.data_parallel_rank) for _ in trainer.models]
+    try:  # a --data source or a --load checkpoint this run cannot use: the message names the flag
+        # one identical stream per model chunk (the interleaved schedule reads each chunk's own)
+        streams = [make_data(args.data, cfg, args.seed, trainer.data_parallel_rank) for _ in trainer.models]
+        start = load_checkpoint(trainer, args.load) if args.load else 0
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
     data = [train for train, _ in streams] if len(streams) > 1 else streams[0][0]
     valid = [v for _, v in streams] if len(streams) > 1 else streams[0][1]
-    start = 0
     if args.load:
-        start = load_checkpoint(trainer, args.load)
         for stream in data if isinstance(data, list) else [data]:
             for _ in range(start * cfg.num_microbatches):  # the data stream is deterministic: skip what was consumed
                 next(stream)
