@@ -2,6 +2,8 @@
 
 import glob
 import os
+import re
+import socket
 import subprocess
 import sys
 
@@ -93,13 +95,65 @@ def test_trainer_trains_pp2_with_mapl_and_resumes(mapl, tmp_path):
     assert resumed == straight[2:]
 
 
-def test_run_script_launches_the_config(tmp_path):
-    env = dict(os.environ, PYTHONPATH=ROOT, PYTHON=sys.executable, PYTHONWARNINGS="ignore")
-    proc = subprocess.run(["bash", "scripts/run.sh", "configs/gpt-tiny.yaml", "--train-iters", "2"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _script_env():
+    """The environment for scripts/run.sh: this Python, its own torchrun port."""
+    return dict(os.environ, PYTHON=sys.executable, PYTHONWARNINGS="ignore", TORCHRUN_ARGS=f"--master-port {_free_port()}")
+
+
+RUN_SH = os.path.join(ROOT, "scripts", "run.sh")
+
+
+def test_run_script_works_from_any_folder_with_paths_from_there(tmp_path):
+    """From another folder: the config from the repository, --save and --load in that folder; a resume with
+    nothing left to train stops both ranks with one line."""
+    proc = subprocess.run(["bash", RUN_SH, "configs/gpt-tiny.yaml", "--train-iters", "2", "--taco-log-interval", "2",
+                           "--save", "ckpt"], cwd=tmp_path, env=_script_env(), capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 2/2 | loss" in proc.stdout
-    assert "taco total" not in proc.stdout or "x)" in proc.stdout
+    assert (tmp_path / "ckpt" / "latest").read_text() == "2"
+    total = re.search(r"^taco total: ([\d.]+) MiB -> ([\d.]+) MiB \(([\d.]+)x\)$", proc.stdout, re.M)
+    assert total, proc.stdout[-3000:]
+    # the config's fp8-ash: a byte per fp32 value plus a 4-byte scale per group of 128
+    assert float(total[3]) == pytest.approx(4 / (1 + 4 / 128), rel=0.01)
+
+    proc = subprocess.run(["bash", RUN_SH, "configs/gpt-tiny.yaml", "--train-iters", "2", "--load", "ckpt"],
+                          cwd=tmp_path, env=_script_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert (proc.stdout + proc.stderr).splitlines() == [
+        "error: --load ckpt: its checkpoint is at step 2, so --train-iters 2 leaves nothing to train; "
+        "use --train-iters > 2"]
+
+
+def test_run_script_finds_the_repository_environment_or_says_how_to_make_one(tmp_path):
+    """A checkout without environments: one line naming the set-up scripts; with .venv-mcore-0.19.2 it runs."""
+    repo = tmp_path / "repo"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "scripts" / "run.sh").write_text(open(RUN_SH).read())
+    for part in ("examples", "megatron_taco"):
+        (repo / part).symlink_to(os.path.join(ROOT, part))
+    env = {k: v for k, v in _script_env().items() if k != "PYTHON"}
+    proc = subprocess.run(["bash", str(repo / "scripts" / "run.sh"), "configs/gpt-tiny.yaml"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1
+    assert (proc.stdout + proc.stderr).splitlines() == [
+        f"error: no Python environment in {repo} (.venv or .venv-mcore-0.19.2): run 'bash {repo}/scripts/run_demo.sh' "
+        f"or 'bash {repo}/scripts/setup_env.sh' first, or set PYTHON"]
+
+    python = repo / ".venv-mcore-0.19.2" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    proc = subprocess.run(["bash", str(repo / "scripts" / "run.sh"), "--help"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--micro-batch-size" in proc.stdout and "--taco-mode" in proc.stdout
 
 
 @pytest.mark.parametrize("vocab,seq,batch,seed", [(256, 128, 2, 3), (8192, 2048, 4, 7), (17, 1, 3, 0), (5, 64, 8, 2)])
