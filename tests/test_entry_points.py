@@ -3,9 +3,11 @@
 import glob
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -154,6 +156,28 @@ def test_run_script_finds_the_repository_environment_or_says_how_to_make_one(tmp
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--micro-batch-size" in proc.stdout and "--taco-mode" in proc.stdout
+
+
+def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
+    log = tmp_path / "output.txt"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(["bash", RUN_SH, "configs/gpt-tiny.yaml", "--train-iters", "1000",
+                                 "--taco-log-interval", "0"], cwd=tmp_path, env=_script_env(), stdout=out,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "step 1/1000" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)  # as Ctrl-C in a terminal: the launcher and both ranks get it
+        code = proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    text = log.read_text()
+    assert code == 130, text[-3000:]
+    assert re.search(r"^interrupted \(Ctrl-C\) after step \d+ of 1000$", text, re.M), text[-3000:]
+    assert text.count("interrupted") == 1 and "Traceback" not in text and "[rank" not in text, text[-3000:]
 
 
 @pytest.mark.parametrize("vocab,seq,batch,seed", [(256, 128, 2, 3), (8192, 2048, 4, 7), (17, 1, 3, 0), (5, 64, 8, 2)])

@@ -5,8 +5,8 @@ Flags use Megatron-LM's names. A ``--config`` YAML supplies defaults (its
 flag values with ``_`` for ``-``); flags given on the command line win.
 
 A bad flag, value, combination, config file or checkpoint stops the run at
-start-up with one line on rank 0 (a :class:`StartupError`, exit code 2), with
-no traceback or usage block from any rank.
+start-up with one line on rank 0 (a :class:`StartupError`, exit code 2); so
+does Ctrl-C (exit code 130). No rank prints a traceback or a usage block.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import signal
 import sys
 import time
 from typing import Any, Dict, List, NoReturn, Optional
@@ -318,6 +319,23 @@ def startup_config(args: argparse.Namespace, world_size: int) -> TrainConfig:
     return cfg
 
 
+_interrupt_requested = False
+
+
+def _request_interrupt(signum, frame) -> None:
+    """SIGINT: stop at the next step boundary. Raising here could break a rank out of a collective half-way
+    through (its peers then fail inside theirs), and under torchrun each Ctrl-C arrives twice."""
+    global _interrupt_requested
+    _interrupt_requested = True
+
+
+def _interrupt_agreed(device: torch.device) -> bool:
+    """Whether any rank got Ctrl-C; all ranks ask at the same step boundary, so they all stop there."""
+    flag = torch.tensor([float(_interrupt_requested)], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
 def _exit_with_line(message: str, code: int) -> NoReturn:
     if _rank() == 0:
         print(message, file=sys.stderr, flush=True)
@@ -327,12 +345,16 @@ def _exit_with_line(message: str, code: int) -> NoReturn:
 def main(argv: Optional[List[str]] = None) -> List[float]:
     """Train as the flags say; return the loss of every step run.
 
-    A StartupError ends every rank with exit code 2; rank 0 prints one line.
+    A StartupError ends every rank with exit code 2, Ctrl-C (at the next step boundary) with 130; rank 0
+    prints one line.
     """
+    signal.signal(signal.SIGINT, _request_interrupt)
     try:
         return _train(parse_args(argv))
     except StartupError as exc:
         _exit_with_line(f"error: {exc}", 2)
+    except KeyboardInterrupt as exc:
+        _exit_with_line(f"interrupted (Ctrl-C) {exc}", 130)
 
 
 def _train(args: argparse.Namespace) -> List[float]:
@@ -382,6 +404,8 @@ def _train(args: argparse.Namespace) -> List[float]:
     losses = []
     try:
         for step in range(start + 1, args.train_iters + 1):
+            if _interrupt_agreed(trainer.device):
+                raise KeyboardInterrupt(f"after step {step - 1} of {args.train_iters}")
             began = time.perf_counter()
             stats = trainer.train_step(data)
             elapsed = time.perf_counter() - began
