@@ -148,9 +148,18 @@ _ITER_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration \
 _LOSS = re.compile(r"lm loss: ([\d.E+-]+)")
 
 
+WARMUP_ITERS = 5  # Megatron-LM's logs at iterations 1 and 5 include start-up work (allocator, NCCL, autotuning)
+
+
+def steady_ms_per_iter(intervals: List[List[float]]) -> Optional[float]:
+    """Median of the logged per-interval ms/iteration after the warm-up iterations."""
+    steady = [ms for iteration, ms in intervals if iteration > WARMUP_ITERS]
+    return statistics.median(steady) if steady else None
+
+
 def parse_log(text: str) -> Dict:
     """What a Megatron-LM log says: per-interval ms/iter, final loss, TACO's start-up and telemetry lines."""
-    intervals = [float(ms) for _, ms in _ITER_MS.findall(text)]
+    intervals = [[int(it), float(ms)] for it, ms in _ITER_MS.findall(text)]
     losses = _LOSS.findall(text)
     lines = text.splitlines()
 
@@ -159,8 +168,8 @@ def parse_log(text: str) -> Dict:
         return found[-1] if found else None
 
     return {
-        "interval_ms": intervals,
-        "ms_per_iter": statistics.median(intervals[1:]) if len(intervals) > 1 else None,
+        "intervals": intervals,
+        "ms_per_iter": steady_ms_per_iter(intervals),
         "final_loss": float(losses[-1]) if losses else None,
         "telemetry": last("taco total:"),
         "attached": last("megatron_taco: TACO"),
@@ -217,6 +226,29 @@ def summarise(results: List[Dict]) -> Dict[str, Dict]:
     return by_row
 
 
+# The issue's goals: (description, row, compared with, bound); speed ratio = ms(compared with) / ms(row)
+GOALS = [
+    ("sockets, local layers: TACO fp8-ash >= 1.6x", "socket-gpt-local-bf16-fp8-ash", "socket-gpt-local-bf16-none", 1.6),
+    ("sockets, TE layers: TACO fp8-ash >= 1.6x", "socket-gpt-te-bf16-fp8-ash", "socket-gpt-te-bf16-none", 1.6),
+    ("TE bf16 + TACO faster than TE FP8 training alone (> 1.0x)", "socket-gpt-te-bf16-fp8-ash",
+     "socket-gpt-te-fp8-none", 1.0),
+    ("TE FP8 + TACO >= 1.2x over TE FP8 alone", "socket-gpt-te-fp8-fp8-ash", "socket-gpt-te-fp8-none", 1.2),
+    ("NVLink, --taco-min-bytes auto: >= 0.97x", "nvlink-gpt-local-bf16-fp8-ash", "nvlink-gpt-local-bf16-none", 0.97),
+]
+
+
+def goal_lines(rows: Dict[str, Dict]) -> List[str]:
+    out = ["| goal | measured | runs (row / compared with) | met |", "|---|---|---|---|"]
+    for text, name, base, bound in GOALS:
+        if rows.get(name, {}).get("ms_per_iter") and rows.get(base, {}).get("ms_per_iter"):
+            ratio = rows[base]["ms_per_iter"] / rows[name]["ms_per_iter"]
+            runs = f"{len(rows[name]['runs'])} / {len(rows[base]['runs'])}"
+            out.append(f"| {text} | {ratio:.2f}x | {runs} | {'yes' if ratio >= bound else 'no'} |")
+        else:
+            out.append(f"| {text} | not run | - | - |")
+    return out
+
+
 def write_report(results: List[Dict], path: str, meta: Dict) -> None:
     rows = summarise(results)
     out = [
@@ -226,9 +258,10 @@ def write_report(results: List[Dict], path: str, meta: Dict) -> None:
         f"{meta['hardware']}; {meta['versions']}; {meta['date']}.",
         "",
         "TP=2 + SP, 8 layers, hidden 2048, sequence 2048, micro-batch 4 (8192 tokens/iteration), `--mock-data`, "
-        "bf16 parameters. ms/iter: median of Megatron-LM's per-interval times after the first interval (5 "
-        "iterations each), median over runs where runs > 1 (A-B-A order with the baseline). Ratio: tokens/s "
-        "against the uncompressed run of the same implementation, precision, model and link (`none` row).",
+        "20 iterations, bf16 parameters. ms/iter: median of Megatron-LM's logged per-interval times for iterations "
+        f"{WARMUP_ITERS + 1}-20 (log interval 5), then the median over runs where runs > 1 (A-B-A order with the "
+        "baseline). Ratio: tokens/s against the uncompressed run of the same implementation, precision, model, "
+        "release and link (its `none` row).",
         "",
         "| row | path | Megatron-LM | model | layers | precision | link | TACO | runs | ms/iter | ratio | "
         "final loss | telemetry |",
@@ -248,6 +281,10 @@ def write_report(results: List[Dict], path: str, meta: Dict) -> None:
                    f"{losses[-1] if losses else '-'} | {telemetry} |")
         for r in failed:
             out.append(f"|  | ↳ run {r['attempt']} failed: `{r.get('error', '')[:200]}` |||||||||||")
+    out += ["", "## Goals", ""] + goal_lines(rows)
+    notes = os.path.join(os.path.dirname(path), "megatron_lm_notes.md")
+    if os.path.exists(notes):  # what the numbers mean, written by hand after a run
+        out += ["", open(notes).read().strip()]
     policies = sorted({r["link_policy"] for r in results if r.get("link_policy")})
     if policies:
         out += ["", "Link policy decisions (`--taco-min-bytes auto`, printed by rank 0):", ""]
@@ -289,11 +326,16 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--report", default=os.path.join(ROOT, "benchmarks", "results", "megatron_lm.md"))
     parser.add_argument("--logs", default="megatron_lm_logs", help="folder for the runs' full logs")
     parser.add_argument("--stop-on-failure", action="store_true", help="stop after the first run that fails")
+    parser.add_argument("--report-only", action="store_true", help="rewrite the report from the JSON file")
     parser.add_argument("--list", action="store_true")
     args = parser.parse_args(argv)
     by_name = {row.name: row for row in ROWS}
     if args.list:
         print("\n".join(f"{row.name}  (baseline: {row.baseline or '-'}, runs {row.repeats})" for row in ROWS))
+        return
+    if args.report_only:
+        saved = json.load(open(args.json))
+        write_report(saved["results"], args.report, saved["meta"])
         return
     names = args.rows.split(",") if args.rows else SUITES[args.suite]
     unknown = [n for n in names if n not in by_name]

@@ -26,6 +26,7 @@ import yaml
 from megatron_taco.config.mapl import add_mapl_args, mapl_config_from_args
 from megatron_taco.mapl.vq import index_bytes
 from megatron_taco.config.taco import TacoConfigError, add_taco_args, taco_config_from_args
+from megatron_taco.megatron.attach import format_ranges
 from megatron_taco.megatron.telemetry import TELEMETRY
 from megatron_taco.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from megatron_taco.training.data import byte_text_batches, stdlib_text_files, synthetic_batches
@@ -260,18 +261,6 @@ def _tensorboard_writer(directory: Optional[str]):
     return SummaryWriter(log_dir=directory)
 
 
-def _ranges(numbers: List[int]) -> str:
-    """[1, 2, 3, 7] -> '1-3,7'."""
-    parts, start = [], None
-    for i, n in enumerate(numbers):
-        if start is None:
-            start = n
-        if i + 1 == len(numbers) or numbers[i + 1] != n + 1:
-            parts.append(f"{start}-{n}" if n != start else f"{n}")
-            start = None
-    return ",".join(parts) or "none"
-
-
 def _log(message: str) -> None:
     if dist.get_rank() == 0:
         print(message, flush=True)
@@ -373,7 +362,7 @@ def _train(args: argparse.Namespace) -> List[float]:
         f"{cfg.lr_schedule_summary}"
     )
     if args.taco.enabled:
-        layers = {name: _ranges(numbers) for name, numbers in trainer.taco_layers.items()}
+        layers = {name: format_ranges(numbers) for name, numbers in trainer.taco_layers.items()}
         _log(f"TACO {args.taco.default.mode} on this rank's layers {layers}; "
              f"min-bytes {'auto' if args.taco.min_bytes is None else args.taco.min_bytes}")
     if args.mapl is not None:
