@@ -24,7 +24,7 @@ of the linear reaches ``min_bytes``, the linear runs megatron-core's own code ex
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -63,16 +63,18 @@ class LinearCompression:
     def codec(self, direction: str) -> Optional[TacoCodec]:
         return self.fwd_codec if direction == "fwd" else self.bwd_codec
 
-    def run(self, collective: str, x: torch.Tensor, group: dist.ProcessGroup, direction: str) -> torch.Tensor:
-        """``comm.<collective>`` of ``x`` with this linear's codec for ``direction``, recorded in the telemetry."""
+    def run(self, collective: Callable, x: torch.Tensor, group: dist.ProcessGroup, direction: str) -> torch.Tensor:
+        """``collective`` (a ``megatron_taco.comm`` function) of ``x`` with this linear's codec for ``direction``,
+        recorded in the telemetry."""
         codec, options = self.codec(direction), self.options(group, x.device)
-        TELEMETRY.record((self.name, collective, direction), x, codec, comm.compresses(x, codec, options))
-        return getattr(comm, collective)(x, group, codec, options)
+        TELEMETRY.record((self.name, collective.__name__, direction), x, codec, comm.compresses(x, codec, options))
+        return collective(x, group, codec, options)
 
     def goes_stock(self, group: dist.ProcessGroup, device: torch.device, messages: dict) -> bool:
         """Whether no message of ``messages`` ({(collective, direction): bytes}) would be compressed. Then
         the linear takes megatron-core's stock path (which overlaps its communication with compute) and
         the messages are recorded as sent uncompressed."""
+        messages = {(collective.__name__, direction): nbytes for (collective, direction), nbytes in messages.items()}
         min_bytes = self.options(group, device).min_bytes
         if any(self.codec(direction) is not None and nbytes >= min_bytes
                for (_, direction), nbytes in messages.items()):
@@ -85,12 +87,13 @@ class LinearCompression:
 class _TensorParallelComm(torch.autograd.Function):
     """Collective ``forward_kind`` on the way forward, ``backward_kind`` on the gradient (None: identity).
 
-    The four pairs the linears use: (all_gather, reduce_scatter) and (reduce_scatter, all_gather) with SP,
-    (None, all_reduce) and (all_reduce, None) without.
+    The four pairs the linears use (``megatron_taco.comm`` functions): (all_gather, reduce_scatter) and
+    (reduce_scatter, all_gather) with SP, (None, all_reduce) and (all_reduce, None) without.
     """
 
     @staticmethod
-    def forward(ctx, x, group, cfg: LinearCompression, forward_kind: Optional[str], backward_kind: Optional[str]):
+    def forward(ctx, x, group, cfg: LinearCompression, forward_kind: Optional[Callable],
+                backward_kind: Optional[Callable]):
         ctx.group, ctx.cfg, ctx.backward_kind = group, cfg, backward_kind
         if forward_kind is None:
             return x.view_as(x)
@@ -111,7 +114,7 @@ def _column_forward_impl(linear: ColumnParallelLinear, input: torch.Tensor, **kw
     nbytes = input.numel() * input.element_size()
     world = dist.get_world_size(linear.tp_group)
     # SP: all-gather of the shard forward, reduce-scatter of the gathered grad backward
-    kinds = ("all_gather", "reduce_scatter") if sp else (None, "all_reduce")
+    kinds = (comm.all_gather, comm.reduce_scatter) if sp else (None, comm.all_reduce)
     messages = {(kinds[1], "bwd"): nbytes * world if sp else nbytes}
     if sp:
         messages[(kinds[0], "fwd")] = nbytes
@@ -133,7 +136,7 @@ def _row_forward_impl(linear: RowParallelLinear, input: torch.Tensor, **kwargs: 
         return output
     nbytes = output.numel() * output.element_size()
     # SP: reduce-scatter of the full output forward, all-gather of the grad shard backward
-    kinds = ("reduce_scatter", "all_gather") if linear.sequence_parallel else ("all_reduce", None)
+    kinds = (comm.reduce_scatter, comm.all_gather) if linear.sequence_parallel else (comm.all_reduce, None)
     messages = {(kinds[0], "fwd"): nbytes}
     if linear.sequence_parallel:
         messages[(kinds[1], "bwd")] = nbytes // world

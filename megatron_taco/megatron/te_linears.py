@@ -38,6 +38,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from megatron_taco import comm
 from megatron_taco.megatron.taco_linears import LinearCompression
 
 # TE module file -> its autograd Function class (None: the file only sends output grads of row linears)
@@ -48,9 +49,9 @@ _TE_FILES = {
     "transformer_engine.pytorch.module.base": None,
 }
 _COLLECTIVES = {  # TE's name -> megatron_taco.comm's
-    "gather_along_first_dim": "all_gather",
-    "reduce_scatter_along_first_dim": "reduce_scatter",
-    "allreduce": "all_reduce",
+    "gather_along_first_dim": comm.all_gather,
+    "reduce_scatter_along_first_dim": comm.reduce_scatter,
+    "allreduce": comm.all_reduce,
 }
 _ACTIVE = threading.local()  # .settings: the TeCompression of the module running now; .backward: bool
 
@@ -80,12 +81,12 @@ def is_te_linear(module: torch.nn.Module) -> bool:
     return isinstance(module, (te.Linear, te.LayerNormLinear, te.LayerNormMLP))
 
 
-def _message(te_file: str, collective: str, quantizer: Any, inp: torch.Tensor):
+def _message(te_file: str, collective: Callable, quantizer: Any, inp: torch.Tensor):
     """(LinearCompression, direction) for this call, or None when TE sends it itself."""
     settings: Optional[TeCompression] = getattr(_ACTIVE, "settings", None)
     if settings is None or quantizer is not None or type(inp) is not torch.Tensor:
         return None
-    if collective == "all_gather":
+    if collective is comm.all_gather:
         if te_file.endswith(".base"):
             return settings.row, "bwd"
         return settings.column, "fwd"

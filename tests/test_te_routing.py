@@ -1,0 +1,59 @@
+"""Which TE message goes through TACO, on 2 gloo ranks without Transformer Engine.
+
+``te_linears`` replaces TE's collective names with interceptors; here an interceptor wraps a plain
+torch.distributed all-gather with TE's signature (TE itself needs CUDA: tests/test_te_linears.py runs
+the real modules on GPUs). Checked: a message of a module with settings goes compressed under the
+linear and direction of the routing table; FP8 gathers (a quantizer given), preallocated outputs and
+modules without settings reach the original function untouched.
+"""
+
+import torch
+
+from megatron_taco.testing.distributed import run_distributed
+
+
+def _routing():
+    import torch.distributed as dist
+
+    from megatron_taco.codec import TacoCodec
+    from megatron_taco.megatron import te_linears
+    from megatron_taco.megatron.taco_linears import LinearCompression
+    from megatron_taco.megatron.telemetry import TELEMETRY
+
+    calls = []
+
+    def gather_along_first_dim(inp, process_group, async_op=False, quantizer=None, output_tensor=None,
+                               external_coalescing=False):
+        calls.append("original")
+        out = torch.empty(inp.shape[0] * 2, *inp.shape[1:], dtype=inp.dtype)
+        dist.all_gather_into_tensor(out, inp, group=process_group)
+        return out, None
+
+    codec = TacoCodec(transform="ash")
+    settings = te_linears.TeCompression(
+        column=LinearCompression("layer 3 qkv", codec, codec, 0, 0),
+        row=LinearCompression("layer 3 proj", codec, codec, 0, 0))
+    x = torch.randn(16, 2, 256, generator=torch.Generator().manual_seed(dist.get_rank()))
+    group = dist.group.WORLD
+    column_gather = te_linears._intercept("transformer_engine.pytorch.module.linear", "gather_along_first_dim",
+                                          gather_along_first_dim)
+    grad_gather = te_linears._intercept("transformer_engine.pytorch.module.base", "gather_along_first_dim",
+                                        gather_along_first_dim)
+    TELEMETRY.reset()
+    stock, _ = column_gather(x, group)  # no module running: TE's own path
+    te_linears._ACTIVE.settings, te_linears._ACTIVE.backward = settings, False
+    compressed, handle = column_gather(x, group)
+    column_gather(x, group, quantizer=object())  # an FP8 gather: TE's
+    column_gather(x, group, output_tensor=torch.empty(32, 2, 256))  # preallocated output: TE's
+    te_linears._ACTIVE.backward = True
+    grad_gather(x, group, async_op=True)  # grad of the row linear, in backward
+    te_linears._ACTIVE.settings = None
+    keys = {key: (rec.calls, rec.compressed_calls) for key, rec in TELEMETRY.records.items()}
+    return calls, keys, float((compressed - stock).norm() / stock.norm()), handle
+
+
+def test_te_messages_route_by_module_file_direction_and_quantizer():
+    calls, keys, error, handle = run_distributed(_routing, 2, timeout=120)[0]
+    assert calls == ["original"] * 3
+    assert keys == {("layer 3 qkv", "all_gather", "fwd"): (1, 1), ("layer 3 proj", "all_gather", "bwd"): (1, 1)}
+    assert 0 < error < 0.05 and handle is None
