@@ -1,6 +1,6 @@
 """Numerics study of the TACO codec, its scale-storage variants and the baselines (CPU, one command).
 
-    python benchmarks/codec_study.py --out benchmarks/results/codec_error.md
+    python -m benchmarks.codec_study --out benchmarks/results/codec_error.md
 
 Inputs: (a) Gaussian, (b) Student-t (df 3), (c) near-zero mass with outlier
 channels, (d) real TP traffic: the tensors entering the sequence-parallel
@@ -15,18 +15,17 @@ import argparse
 import datetime
 import os
 import platform
-import sys
 from typing import Dict, List, Tuple
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from megatron_taco.codec import TacoCodec
+from megatron_taco.codec.baselines import GroupINT8, PerTensorFP8
+from megatron_taco.testing.distributed import run_distributed
+from megatron_taco.testing.tensors import DISTRIBUTIONS
+from megatron_taco.training.model import ModelShape
 
-from megatron_taco.codec import TacoCodec  # noqa: E402
-from megatron_taco.codec.baselines import GroupINT8, PerTensorFP8  # noqa: E402
-from megatron_taco.testing.distributed import run_distributed  # noqa: E402
-from megatron_taco.testing.tensors import DISTRIBUTIONS  # noqa: E402
-from megatron_taco.training.model import ModelShape  # noqa: E402
+from .provenance import project_commit
 
 GROUPS = (32, 64, 128, 256)
 STUDY_MODEL = ModelShape(
@@ -194,7 +193,8 @@ def _write_report(args, rows, inputs, losses) -> None:
     lines = [
         "# TACO codec numerics study",
         "",
-        f"- Command: `python benchmarks/codec_study.py --out {args.out} --train-steps {args.train_steps} --seed {args.seed}`",
+        f"- Command: `python -m benchmarks.codec_study --out {args.out} --train-steps {args.train_steps} --seed {args.seed}`",
+        f"- Commit: {project_commit()}",
         f"- Date: {datetime.date.today().isoformat()}; machine: {platform.machine()} CPU ({os.cpu_count()} cores), "
         f"Python {platform.python_version()}, torch {torch.__version__}, megatron-core {megatron.core.__version__}, "
         f"triton {triton.__version__}",

@@ -1,8 +1,8 @@
 """Compressed vs plain NCCL collectives on 2 GPUs, in three link regimes.
 
-    python benchmarks/collectives.py --out-dir benchmarks/results
+    python -m benchmarks.collectives --out-dir benchmarks/results
 
-Regimes (DESIGN.md section 5), each a fresh pair of NCCL processes:
+Regimes (``LINK_REGIMES`` in megatron_taco/testing/distributed.py), each a fresh pair of NCCL processes:
   nvlink  default transports
   shm     NCCL_P2P_DISABLE=1                      (host shared memory, PCIe-class)
   socket  + NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo (TCP over loopback, Ethernet-class)
@@ -23,17 +23,16 @@ import datetime
 import json
 import os
 import statistics
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from megatron_taco import comm
+from megatron_taco.codec import TacoCodec
+from megatron_taco.comm.policy import FAST_LINK_GBPS, NEVER, auto_options
+from megatron_taco.testing.distributed import LINK_REGIMES, run_distributed
 
-from megatron_taco import comm  # noqa: E402
-from megatron_taco.codec import TacoCodec  # noqa: E402
-from megatron_taco.comm.policy import FAST_LINK_GBPS, NEVER, auto_options  # noqa: E402
-from megatron_taco.testing.distributed import LINK_REGIMES, run_distributed  # noqa: E402
+from .provenance import project_commit
 
 MIB = 1 << 20
 COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
@@ -164,8 +163,9 @@ def _write(args, results, path) -> None:
     lines = [
         "# Compressed collectives vs NCCL bf16",
         "",
-        f"- Command: `python benchmarks/collectives.py --out-dir {args.out_dir} --sizes-mib {args.sizes_mib} "
+        f"- Command: `python -m benchmarks.collectives --out-dir {args.out_dir} --sizes-mib {args.sizes_mib} "
         f"--regimes {args.regimes}`",
+        f"- Commit: {project_commit()}",
         f"- Date: {datetime.date.today().isoformat()}; 2 x {props.name}; torch {torch.__version__}, "
         f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, triton {triton.__version__}",
         "- Codec: G=128 E4M3 ASH, folded fp32 scale (1.94x smaller than bf16); compression forced on (min_bytes=0); "

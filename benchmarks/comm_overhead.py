@@ -1,6 +1,6 @@
 """Where the fixed cost of a compressed collective goes (2 GPUs, NVLink, small messages).
 
-    python benchmarks/comm_overhead.py --out benchmarks/results/comm_overhead.md
+    python -m benchmarks.comm_overhead --out benchmarks/results/comm_overhead.md
 
 Host (Python) time per call of each piece, measured without synchronising
 (the CPU cost of launching, unless the GPU falls behind and the launch queue
@@ -14,17 +14,16 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from megatron_taco import comm
+from megatron_taco.codec import TacoCodec
+from megatron_taco.testing.distributed import run_distributed
 
-from megatron_taco import comm  # noqa: E402
-from megatron_taco.codec import TacoCodec  # noqa: E402
-from megatron_taco.testing.distributed import run_distributed  # noqa: E402
+from .provenance import project_commit
 
 
 def _per_call_us(fn, calls: int, sync_each: bool) -> float:
@@ -98,7 +97,8 @@ def main() -> None:
     lines = [
         "# Host cost of a compressed collective (1 MiB bf16, 2 GPUs, NVLink)",
         "",
-        f"- Command: `python benchmarks/comm_overhead.py --out {args.out}`; date {datetime.date.today().isoformat()}",
+        f"- Command: `python -m benchmarks.comm_overhead --out {args.out}`; commit {project_commit()}; "
+        f"date {datetime.date.today().isoformat()}",
         "- *host us*: microseconds per call, averaged over 200 calls without synchronising (launch cost on the CPU,",
         "  unless the GPU falls behind and the launch queue fills); *latency us*: with a device synchronisation",
         "  after every call (100 calls).",

@@ -1,12 +1,12 @@
 """End-to-end evaluation on 2 GPUs: throughput and loss with TACO and MAPL.
 
-    python benchmarks/e2e.py --out-dir benchmarks/results
+    python -m benchmarks.e2e --out-dir benchmarks/results
 
 Throughput: a GPT-style and a Qwen-style model sized so TP traffic matters,
 TP=2 + SP, bf16, uncompressed vs TACO (the default auto link policy, and
-optionally compression forced on), in the three link regimes of DESIGN.md
-section 5 (each a fresh NCCL process pair). Steady state: the first steps are
-warm-up and excluded; the median step time of the rest. Every run ends with
+optionally compression forced on), in the three link regimes of ``LINK_REGIMES``
+(megatron_taco/testing/distributed.py), each a fresh NCCL process pair. Steady state:
+the first steps are warm-up and excluded; the median step time of the rest. Every run ends with
 one profiled step that splits GPU time into codec, NCCL (wire) and the rest.
 
 PP=2 throughput: a wide, shallow GPT whose step is dominated by the boundary
@@ -32,23 +32,22 @@ import datetime
 import json
 import os
 import statistics
-import sys
 import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from megatron_taco.config.mapl import MaplConfig
+from megatron_taco.config.taco import LinearSettings, TacoConfig
+from megatron_taco.mapl.stage import CODEC_RANGE as MAPL_CODEC_RANGE
+from megatron_taco.testing.distributed import LINK_REGIMES, run_distributed
+from megatron_taco.testing.profiling import codec_operators
+from megatron_taco.training.data import byte_text_batches, stdlib_text_files, synthetic_batches
+from megatron_taco.training.loop import TrainConfig, Trainer
+from megatron_taco.training.model import ModelShape
 
-from megatron_taco.config.mapl import MaplConfig  # noqa: E402
-from megatron_taco.config.taco import LinearSettings, TacoConfig  # noqa: E402
-from megatron_taco.mapl.stage import CODEC_RANGE as MAPL_CODEC_RANGE  # noqa: E402
-from megatron_taco.testing.distributed import LINK_REGIMES, run_distributed  # noqa: E402
-from megatron_taco.testing.profiling import codec_operators  # noqa: E402
-from megatron_taco.training.data import byte_text_batches, stdlib_text_files, synthetic_batches  # noqa: E402
-from megatron_taco.training.loop import TrainConfig, Trainer  # noqa: E402
-from megatron_taco.training.model import ModelShape  # noqa: E402
+from .provenance import project_commit
 
 THROUGHPUT_MODELS = {
     "GPT (4L, h4096, ffn16384, seq2048)": ModelShape(
@@ -360,12 +359,13 @@ def _write(args, results) -> None:
     lines = [
         "# End-to-end evaluation (2 GPUs)",
         "",
-        f"- Command: `python benchmarks/e2e.py --out-dir {args.out_dir} --regimes {args.regimes} --steps {args.steps} "
+        f"- Command: `python -m benchmarks.e2e --out-dir {args.out_dir} --regimes {args.regimes} --steps {args.steps} "
         f"--warmup {args.warmup} --micro-batches {args.micro_batches} --pipeline-micro-batches "
         f"{args.pipeline_micro_batches}{' --forced' if args.forced else ''} --loss-steps {args.loss_steps} "
         f"--loss-seeds {args.loss_seeds} --loss-parallel {args.loss_parallel} --loss-variants '{args.loss_variants}' "
         f"--eval-iters {args.eval_iters} "
         f"--parts {args.parts} --loss-models {args.loss_models}`",
+        f"- Commit: {project_commit()}",
         f"- Date: {datetime.date.today().isoformat()}; 2 x {props.name}; torch {torch.__version__}, "
         f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, triton {triton.__version__}",
         "- Trainer: `megatron_taco.training` (megatron-core GPTModel, local spec, DDP, Adam, bf16 with fp32 main params).",

@@ -1,6 +1,6 @@
 """Bandwidth of the fused TACO kernels vs a device-to-device copy, on one GPU.
 
-    python benchmarks/kernels.py --out benchmarks/results/kernels.md
+    python -m benchmarks.kernels --out benchmarks/results/kernels.md
 
 For bf16 and fp32 inputs of 8-512 MiB: compress, decompress, and decompress-sum
 of N = 2 and 4 messages. Achieved bandwidth counts the bytes each kernel must
@@ -13,17 +13,15 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import os
-import sys
 
 import torch
 import triton
 from triton.testing import do_bench
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from megatron_taco.codec import TacoCodec, reference
+from megatron_taco.kernels import taco_kernels
 
-from megatron_taco.codec import TacoCodec, reference  # noqa: E402
-from megatron_taco.kernels import taco_kernels  # noqa: E402
+from .provenance import project_commit
 
 MIB = 1 << 20
 
@@ -125,7 +123,8 @@ def _write(args, rows, sweep) -> None:
     lines = [
         "# TACO kernel bandwidth",
         "",
-        f"- Command: `python benchmarks/kernels.py --out {args.out}`",
+        f"- Command: `python -m benchmarks.kernels --out {args.out}`",
+        f"- Commit: {project_commit()}",
         f"- Date: {datetime.date.today().isoformat()}; GPU: {props.name} ({props.multi_processor_count} SMs); "
         f"torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}",
         "- Codec: G=128, E4M3, ASH, folded fp32 scale (the default). Times are medians of `triton.testing.do_bench`.",

@@ -1,6 +1,6 @@
 """MAPL quality on CPU: a small GPT at PP=2 (2 gloo ranks, fp32), long enough to see how the gap evolves.
 
-    python benchmarks/mapl_cpu_study.py --steps 1000 --out benchmarks/results/mapl_cpu_study.md
+    python -m benchmarks.mapl_cpu_study --steps 1000 --out benchmarks/results/mapl_cpu_study.md
 
 Complements ``mapl_quality.py`` (GPU, bf16, a 4x wider model, 250 steps) where GPU time is short:
 same trainer, data (Python stdlib sources, byte-level) and variants, a model small enough for a
@@ -15,20 +15,18 @@ import datetime
 import json
 import os
 import statistics
-import sys
 import time
 from typing import Optional
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from megatron_taco.testing.distributed import run_distributed
+from megatron_taco.training.cli import add_lr_schedule_args, lr_schedule_flags, lr_schedule_settings
+from megatron_taco.training.data import byte_text_batches, stdlib_text_files
+from megatron_taco.training.loop import TrainConfig
+from megatron_taco.training.model import ModelShape
 
-from mapl_variants import VARIANTS as ALL_VARIANTS, make_trainer  # noqa: E402
-
-from megatron_taco.testing.distributed import run_distributed  # noqa: E402
-from megatron_taco.training.cli import add_lr_schedule_args, lr_schedule_flags, lr_schedule_settings  # noqa: E402
-from megatron_taco.training.data import byte_text_batches, stdlib_text_files  # noqa: E402
-from megatron_taco.training.loop import TrainConfig  # noqa: E402
-from megatron_taco.training.model import ModelShape  # noqa: E402
+from .mapl_variants import VARIANTS as ALL_VARIANTS
+from .mapl_variants import make_trainer
+from .provenance import project_commit
 
 MODEL = ModelShape(num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512, vocab_size=256,
                    seq_length=128)
@@ -118,8 +116,9 @@ def main() -> None:
     lines = [
         "# MAPL quality on CPU: the loss gap over training (small GPT, PP=2)",
         "",
-        f"- Command: `python benchmarks/mapl_cpu_study.py --steps {args.steps} --seeds {args.seeds} --out {args.out} "
+        f"- Command: `python -m benchmarks.mapl_cpu_study --steps {args.steps} --seeds {args.seeds} --out {args.out} "
         + lr_schedule_flags(args) + f"--variants '{';'.join(names[1:])}'`",
+        f"- Commit: {project_commit()}",
         f"- Date: {datetime.date.today().isoformat()}; CPU, 2 gloo ranks, fp32; torch "
         f"{__import__('torch').__version__}, megatron-core {__import__('megatron.core').core.__version__}",
         f"- Model: GPT {MODEL.num_layers} layers, hidden {MODEL.hidden_size}, FFN {MODEL.ffn_hidden_size}, seq "

@@ -1,6 +1,6 @@
 """Would a data-driven start for MAPL's projection close the early loss gap? (CPU, PP=2; a negative result)
 
-    python benchmarks/mapl_pca_start.py --out benchmarks/results/mapl_pca_start.md
+    python -m benchmarks.mapl_pca_start --out benchmarks/results/mapl_pca_start.md
 
 The MAPL loss gap forms in the first ~100 steps (``mapl_cpu_study_seeds.md``), when U is still the random
 start. This tries the obvious fix on the model of ``mapl_cpu_study.py`` at 8x (anchor rank 64, position
@@ -19,20 +19,17 @@ import datetime
 import json
 import os
 import statistics
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from megatron_taco.config.mapl import MaplConfig
+from megatron_taco.mapl.boundary import BoundaryCodec
+from megatron_taco.testing.distributed import run_distributed
+from megatron_taco.training.loop import Trainer
 
-from mapl_cpu_study import study_run  # noqa: E402
-
-from megatron_taco.config.mapl import MaplConfig  # noqa: E402
-from megatron_taco.mapl.boundary import BoundaryCodec  # noqa: E402
-from megatron_taco.testing.distributed import run_distributed  # noqa: E402
-from megatron_taco.training.loop import Trainer  # noqa: E402
+from .mapl_cpu_study import study_run
+from .provenance import project_commit
 
 MAPL = MaplConfig(ratio=8, anchor_rank=64, position_anchors=True, anchor_init="random")  # as measured
 VARIANTS = {"MAPL 8x (random start)": 0, "PCA start once (after step 1)": 1,
@@ -106,7 +103,8 @@ def main() -> None:
     lines = [
         "# A PCA start for MAPL's projection (CPU, PP=2, 8x)",
         "",
-        f"- Command: `python benchmarks/mapl_pca_start.py --steps {args.steps} --seeds {args.seeds} --out {args.out}`",
+        f"- Command: `python -m benchmarks.mapl_pca_start --steps {args.steps} --seeds {args.seeds} --out {args.out}`",
+        f"- Commit: {project_commit()}",
         f"- Date: {datetime.date.today().isoformat()}; CPU, 2 gloo ranks, fp32; torch {torch.__version__}",
         "- Model and data: those of `mapl_cpu_study.py` (GPT 4L h128, seq 128, byte-level stdlib sources, Adam "
         "lr 2e-3, 2 x 8 sequences per step); MAPL 8x (r = 16), anchor rank 64, position anchors, manifold lr 0.01.",

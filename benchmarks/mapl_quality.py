@@ -1,6 +1,6 @@
 """MAPL quality study on 2 GPUs: PP=2, the same model, data, seed and steps side by side.
 
-    python benchmarks/mapl_quality.py --out-dir benchmarks/results
+    python -m benchmarks.mapl_quality --out-dir benchmarks/results
 
 Variants: uncompressed; MAPL at 2x, 4x, 8x, 16x (learned U + token anchors);
 the SSN-style baseline (a fixed random orthogonal projection, no anchors) at
@@ -22,21 +22,18 @@ import concurrent.futures
 import datetime
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from megatron_taco.testing.distributed import run_distributed
+from megatron_taco.training.cli import add_lr_schedule_args, lr_schedule_flags, lr_schedule_settings
+from megatron_taco.training.data import byte_text_batches, stdlib_text_files
+from megatron_taco.training.loop import TrainConfig, Trainer
+from megatron_taco.training.model import ModelShape
 
-from mapl_variants import VARIANTS as ALL_VARIANTS  # noqa: E402
-
-from megatron_taco.testing.distributed import run_distributed  # noqa: E402
-from megatron_taco.training.data import byte_text_batches, stdlib_text_files  # noqa: E402
-from megatron_taco.training.cli import add_lr_schedule_args, lr_schedule_flags, lr_schedule_settings  # noqa: E402
-from megatron_taco.training.loop import TrainConfig, Trainer  # noqa: E402
-from megatron_taco.training.model import ModelShape  # noqa: E402
+from .mapl_variants import VARIANTS as ALL_VARIANTS
+from .provenance import project_commit
 
 MODEL = ModelShape(num_layers=8, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048, vocab_size=256,
                    seq_length=512)
@@ -127,9 +124,10 @@ def _write(args: argparse.Namespace, results: dict) -> None:
     lines = [
         "# MAPL quality: PP=2, learned Stiefel projections vs a fixed one",
         "",
-        f"- Command: `python benchmarks/mapl_quality.py --out-dir {args.out_dir} --steps {args.steps} "
+        f"- Command: `python -m benchmarks.mapl_quality --out-dir {args.out_dir} --steps {args.steps} "
         f"--eval-iters {args.eval_iters} --micro-batches {args.micro_batches} " + lr_schedule_flags(args)
         + f"--parallel {args.parallel}" + (f" --variants '{args.variants}'" if args.variants else "") + "`",
+        f"- Commit: {project_commit()}",
         f"- Variants run: {len(results)} of {len(VARIANTS)}"
         + ("" if len(results) == len(VARIANTS) else " (cut short, or a subset was asked for)"),
         f"- Date: {datetime.date.today().isoformat()}; 2 x {props.name}; torch {torch.__version__}",

@@ -1,14 +1,14 @@
 """What it costs to give MAPL's receiving stage the token ids (issue 8, item 2), on 2 GPUs.
 
-    python benchmarks/mapl_token_ids.py --out benchmarks/results/mapl_token_ids.md
+    python -m benchmarks.mapl_token_ids --out benchmarks/results/mapl_token_ids.md
 
 The anchors a(tokens) need the token ids on both sides of a boundary. The trainer loads them on
 every stage (each stage runs the data iterator), so the receiving stage pays one [b, s] int64
 host-to-device copy per micro-batch. The alternative is to send them over the boundary with the
 activations. For the micro-batch of the PP model in `e2e.py` (4 x 2048 tokens, h2048), this times,
-per micro-batch and in each link regime (DESIGN.md section 5): that copy from pageable and from
-pinned memory, sending the ids over the boundary instead, and the forward boundary message itself,
-uncompressed and at MAPL 8x (r = 256). Median of 50, each call synchronised (latency).
+per micro-batch and in each link regime (``LINK_REGIMES`` in megatron_taco/testing/distributed.py):
+that copy from pageable and from pinned memory, sending the ids over the boundary instead, and the
+forward boundary message itself, uncompressed and at MAPL 8x (r = 256). Median of 50, each call synchronised (latency).
 """
 
 from __future__ import annotations
@@ -17,15 +17,14 @@ import argparse
 import datetime
 import os
 import statistics
-import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from megatron_taco.testing.distributed import LINK_REGIMES, run_distributed
 
-from megatron_taco.testing.distributed import LINK_REGIMES, run_distributed  # noqa: E402
+from .provenance import project_commit
 
 MICRO_BATCH, SEQ, HIDDEN, MAPL_8X_RANK = 4, 2048, 2048, 256
 
@@ -84,7 +83,8 @@ def main() -> None:
     lines = [
         "# MAPL: the cost of the token ids on the receiving stage (issue 8, item 2)",
         "",
-        f"- Command: `python benchmarks/mapl_token_ids.py --out {args.out} --regimes {args.regimes}`",
+        f"- Command: `python -m benchmarks.mapl_token_ids --out {args.out} --regimes {args.regimes}`",
+        f"- Commit: {project_commit()}",
         f"- Date: {datetime.date.today().isoformat()}; 2 x {torch.cuda.get_device_name(0)}; torch {torch.__version__}, "
         f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, triton {triton.__version__}",
         f"- One micro-batch of the PP model in `e2e.py`: {MICRO_BATCH} x {SEQ} tokens, hidden {HIDDEN}; median of 50 "

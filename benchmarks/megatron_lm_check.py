@@ -1,7 +1,10 @@
 """Acceptance on real Megatron-LM: its own pretrain_gpt.py with TACO, through the launcher and the patch.
 
-    python benchmarks/megatron_lm_check.py --megatron-lm /path/to/Megatron-LM [--rows NAME,... | --suite S]
+    python -m benchmarks.megatron_lm_check --megatron-lm /path/to/Megatron-LM [--rows NAME,... | --suite S]
         [--megatron-lm-016 /path/to/Megatron-LM-core_v0.16.1] [--json results.json] [--report results.md]
+
+from the repository root, or ``bash scripts/megatron_lm_check.sh /path/to/Megatron-LM [flags]``, which runs this
+file by path: there megatron_taco must be importable (``pip install -e .`` or the repository on PYTHONPATH).
 
 Every row is one ``torchrun --nproc-per-node 2`` run of Megatron-LM's ``pretrain_gpt.py`` with
 ``--mock-data`` (TP=2 + sequence parallelism, 8 layers, hidden 2048, sequence 2048, micro-batch 4):
@@ -12,8 +15,8 @@ over runs, taken in A-B-A order with its baseline. Its ratio is against the matc
 (``--taco-mode none``, same implementation, precision, model and link) of the same invocation.
 Rows accumulate in the JSON file across invocations (each call of the device machine is limited to
 10 minutes); the report is rewritten from all rows each time.
-Link regimes (DESIGN.md section 5): ``nvlink`` (default NCCL transports) and ``socket``
-(``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo``).
+Link regimes (``LINK_REGIMES`` in megatron_taco/testing/distributed.py): ``nvlink`` (default NCCL
+transports) and ``socket`` (``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo``).
 """
 
 from __future__ import annotations
@@ -32,10 +35,9 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from megatron_taco.testing.distributed import LINK_REGIMES
 
-from megatron_taco.testing.distributed import LINK_REGIMES  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODELS = {
     "gpt": ["--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", "16",

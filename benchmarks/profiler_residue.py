@@ -1,6 +1,6 @@
 """Does a finished torch.profiler session slow the training steps that follow it in the same process?
 
-    python benchmarks/profiler_residue.py --out-dir benchmarks/results
+    python -m benchmarks.profiler_residue --out-dir benchmarks/results
 
 The e2e benchmark ends every timed run with a profiled step, and the runs that followed a profiled one were
 slower on NVLink (the "run-order effect" of e2e.md). This times the TP=2 + SP GPT of e2e.py on NVLink with
@@ -14,18 +14,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from megatron_taco.testing.distributed import run_distributed
+from megatron_taco.training.data import synthetic_batches
+from megatron_taco.training.loop import Trainer
 
-from e2e import CUPTI_TEARDOWN, THROUGHPUT_MODELS, _gpu_time_split, _median_step_s, tp_config  # noqa: E402
-
-from megatron_taco.testing.distributed import run_distributed  # noqa: E402
-from megatron_taco.training.data import synthetic_batches  # noqa: E402
-from megatron_taco.training.loop import Trainer  # noqa: E402
+from .e2e import CUPTI_TEARDOWN, THROUGHPUT_MODELS, _gpu_time_split, _median_step_s, tp_config
+from .provenance import project_commit
 
 SETTINGS = {"Kineto defaults": {}, "TEARDOWN_CUPTI=1": CUPTI_TEARDOWN}
 
@@ -55,8 +52,9 @@ def main() -> None:
     lines = [
         "# Does a finished profile slow later steps? (TP=2 + SP, NVLink)",
         "",
-        f"- Command: `python benchmarks/profiler_residue.py --out-dir {args.out_dir} --steps {args.steps} "
+        f"- Command: `python -m benchmarks.profiler_residue --out-dir {args.out_dir} --steps {args.steps} "
         f"--warmup {args.warmup}`",
+        f"- Commit: {project_commit()}",
         f"- Date: {datetime.date.today().isoformat()}; 2 x {torch.cuda.get_device_name(0)}; torch {torch.__version__}",
         f"- Model: {model}, bf16, micro-batch 1 x 2; one trainer per setting; each time is the median of steps "
         f"{args.warmup + 1}-{args.steps} of a block of {args.steps}",
