@@ -8,4 +8,5 @@ set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 dir=${1:?usage: scripts/megatron_lm_check.sh MEGATRON_LM_DIR [benchmarks/megatron_lm_check.py flags]}
 shift
+export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"
 exec "${PYTHON:-python3}" "$here/benchmarks/megatron_lm_check.py" --megatron-lm "$dir" "$@"
