@@ -98,3 +98,31 @@ def test_mode_none_builds_megatron_lm_model_unchanged():
     report = run_distributed(_build_and_step, 2, TINY_GPT, "megatron_lm_builder", TacoConfig(), timeout=180)[0]
     assert report["traffic"] == {}
     assert report["norms_sp"]
+
+
+def _moe_start_up_line():
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_taco.megatron.attach import attach_taco
+    from megatron_taco.megatron.cpu_runtime import cpu_config_overrides, enable_cpu_runtime
+    from megatron_taco.megatron.specs import LOCAL_SPEC_CONFIG
+    from megatron_taco.training.model import make_transformer_config
+
+    enable_cpu_runtime()
+    parallel_state.initialize_model_parallel(1, 1)
+    model_parallel_cuda_manual_seed(3)
+    moe = {"num_moe_experts": 2, "moe_router_topk": 1, "moe_router_pre_softmax": True, "moe_ffn_hidden_size": 128}
+    config = make_transformer_config(TINY_GPT, tensor_parallel=1, pipeline_parallel=1, sequence_parallel=False,
+                                     params_dtype=torch.float32,
+                                     extra={**LOCAL_SPEC_CONFIG, **cpu_config_overrides(), **moe})
+    model = GPTModel(config, get_gpt_layer_local_spec(2, False, False, False, None), vocab_size=128,
+                     max_sequence_length=TINY_GPT.seq_length)
+    return attach_taco([model], TacoConfig(default=LinearSettings(mode="fp8-ash"), min_bytes=0)).describe()
+
+
+def test_moe_experts_run_stock_and_the_start_up_line_says_so():
+    line = run_distributed(_moe_start_up_line, 1, timeout=120)[0]
+    assert line == "qkv 1-4, proj 1-4, fc1 -, fc2 -; runs stock: layers 1-4 mlp (MoE experts)"
