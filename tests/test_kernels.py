@@ -6,11 +6,14 @@ on a CUDA machine the same tests run the compiled kernels on the GPU.
 
 import itertools
 import os
+import zlib
 
 import pytest
 import torch
 
 from megatron_taco.codec import TacoCodec
+from megatron_taco.codec.format import CodecSettings
+from megatron_taco.testing import float64 as f64
 from megatron_taco.testing.tensors import DISTRIBUTIONS
 
 if torch.cuda.is_available():
@@ -49,6 +52,35 @@ def test_compress_bytes_equal_reference(settings):
         expected = ref.compress(x.cpu())
         got = tri.compress(x)
         assert torch.equal(got.cpu(), expected), f"{dist}: {(got.cpu() != expected).sum()} bytes differ"
+
+
+@pytest.mark.parametrize("settings", SETTINGS, ids=_ids)
+def test_kernels_match_float64_model(settings):
+    """The kernels on their own against the independent float64 model (not only against the torch
+    reference, which a shared mistake would pass): decodes, signed error and stored scales, with the
+    tolerances of megatron_taco.testing.float64."""
+    tri = TacoCodec(**settings, backend="triton")
+    gen = torch.Generator().manual_seed(zlib.crc32(_ids(settings).encode()))
+    x = torch.cat([DISTRIBUTIONS[d]((8, 256), gen) for d in ("gaussian", "student_t3", "near_zero_outliers")])
+    buf = tri.compress(x.to(DEVICE))
+    x_hat = tri.decompress(buf, x.shape).cpu()
+    f64.assert_matches_model(x, tri.settings, buf.cpu(), x_hat)
+
+
+def test_kernels_decode_each_transform_and_format_as_its_own_model_only():
+    """As tests/test_codec.py for the reference: ash vs none and E4M3 vs E5M2 are told apart by the numbers."""
+    x = DISTRIBUTIONS["near_zero_outliers"]((8, 512), torch.Generator().manual_seed(21))
+    combos = [(t, f) for t in ("ash", "none") for f in ("e4m3", "e5m2")]
+    models = {tf: f64.roundtrip(x, CodecSettings(transform=tf[0], fmt=tf[1])) for tf in combos}
+    for transform, fmt in combos:
+        tri = TacoCodec(transform=transform, fmt=fmt, backend="triton")
+        buf = tri.compress(x.to(DEVICE))
+        x_hat = tri.decompress(buf, x.shape).cpu()
+        f64.assert_matches_model(x, CodecSettings(transform=transform, fmt=fmt), buf.cpu(), x_hat)
+        for other, model in models.items():
+            distance = f64.rel_l2(x_hat, model)
+            if other != (transform, fmt):
+                assert distance >= 1e-2, f"{transform}/{fmt} decodes like {other[0]}/{other[1]}: {distance:.3e}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -117,6 +149,9 @@ def test_decompress_sum_matches_reference_and_float64(settings, n_ranks):
     assert torch.equal(got, expected)  # same fp32 additions in the same order
     exact = sum(ref.decompress(b, (numel,)).double() for b in bufs)
     assert float((got.double() - exact).norm() / exact.norm()) <= 1e-6
+    # and against an independent float64 decoder: the sum of every message's float64 decode
+    f64.check_decode(sum(x.cpu().double() for x in xs), ref.settings, None, got,
+                     reference=sum(f64.decode(b, ref.settings, numel) for b in bufs))
     bf16 = tri.decompress_sum(bufs.to(DEVICE), (numel,), torch.bfloat16).cpu()
     assert torch.equal(bf16, expected.to(torch.bfloat16))
 
