@@ -2,12 +2,15 @@
 
 import argparse
 import dataclasses
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_taco.codec.format import CodecSettings
 from megatron_taco.config.taco import (
+    LINEARS,
     LinearSettings,
     TacoConfig,
     TacoConfigError,
@@ -167,6 +170,98 @@ def test_count_of_tp_collectives_shows_which_were_compressed():
     stock = run_distributed(_count_worker, 2, None, timeout=120)[0]
     regathers = layers * 2 * micro_batches
     assert compressed + activation_sized(counts) + regathers == activation_sized(stock), stock
+
+
+TINY_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "gpt-tiny.yaml")
+_LINEAR_PATHS = {"qkv": ("self_attention", "linear_qkv"), "proj": ("self_attention", "linear_proj"),
+                 "fc1": ("mlp", "linear_fc1"), "fc2": ("mlp", "linear_fc2")}
+
+
+def _settings_worker(argv):
+    """Start the trainer from command-line flags as ``megatron_taco.training.cli`` does; return every
+    linear's (forward, backward) codec settings and backend, and the settings in the header of every
+    compressed message sent during one training step."""
+    from megatron_taco.codec.format import describe_settings_bytes
+    from megatron_taco.megatron.attach import unwrap
+    from megatron_taco.training import cli
+
+    args = cli.parse_args(["--config", TINY_CONFIG, *argv])
+    trainer = Trainer(cli.startup_config(args, dist.get_world_size()))
+    linears = {}
+    for layer in unwrap(trainer.model).decoder.layers:
+        for name, (parent, attr) in _LINEAR_PATHS.items():
+            cfg = getattr(getattr(layer, parent), attr).taco
+            linears[layer.layer_number, name] = None if cfg is None else tuple(
+                None if codec is None else (codec.settings, codec.backend) for codec in (cfg.fwd_codec, cfg.bwd_codec))
+
+    on_the_wire = set()
+    originals = {name: getattr(dist, name) for name in ("all_gather_into_tensor", "all_to_all_single")}
+
+    def reading_headers(name):
+        def wrapper(output, message, *rest, **kwargs):
+            # a compressed message: a 16-byte header and its codes and scales (the 16-byte settings
+            # handshake, TACO + settings or zeros for uncompressed + min_bytes, is not one)
+            if message.dtype == torch.uint8 and message.shape[-1] > 16:
+                for row in message.view(-1, message.shape[-1]):
+                    raw = bytes(row[:8].tolist())
+                    assert raw[:4] == b"TACO", raw
+                    on_the_wire.add(describe_settings_bytes(raw[4:8]))
+            return originals[name](output, message, *rest, **kwargs)
+        return wrapper
+
+    for name in originals:
+        setattr(dist, name, reading_headers(name))
+    try:
+        trainer.train_step(synthetic_batches(args.shape.vocab_size, args.shape.seq_length, args.micro_batch_size, 1))
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+        trainer.close()
+    return linears, on_the_wire
+
+
+def _expected(layers, linears, fwd, bwd, backend="auto"):
+    return {(n, name): (None if fwd is None else (fwd, backend), None if bwd is None else (bwd, backend))
+            for n in layers for name in linears}
+
+
+ASH_E4M3 = CodecSettings(group_size=128, fmt="e4m3", transform="ash", scales="fp32")
+
+
+@pytest.mark.parametrize(
+    "argv,expected",
+    [
+        # the config's --taco-mode fp8-ash with every other setting at its default
+        ([], _expected(range(1, 5), LINEARS, ASH_E4M3, ASH_E4M3)),
+        # every codec flag, a per-range override of each, a forward-only range with two linears
+        (
+            ["--taco-group-size", "64", "--taco-scales", "dual", "--taco-backend", "torch",
+             "--taco-override", "3-4:mode=fp8,fmt=e5m2,scales=e8m0,group_size=32",
+             "--taco-override", "2:direction=fwd,linears=fc1+fc2"],
+            {
+                **_expected([1], LINEARS, CodecSettings(64, "e4m3", "ash", "dual"),
+                            CodecSettings(64, "e4m3", "ash", "dual"), "torch"),
+                **_expected([2], ["qkv", "proj"], None, None),
+                **_expected([2], ["fc1", "fc2"], CodecSettings(64, "e4m3", "ash", "dual"), None, "torch"),
+                **_expected([3, 4], LINEARS, CodecSettings(32, "e5m2", "none", "e8m0"),
+                            CodecSettings(32, "e5m2", "none", "e8m0"), "torch"),
+            },
+        ),
+    ],
+    ids=["fp8-ash-defaults", "every-flag"],
+)
+def test_every_linear_gets_exactly_the_codec_the_flags_ask_for(argv, expected):
+    """From the trainer's flags to each linear's codec (transform, FP8 format, group size, scales,
+    backend, per direction) and to the header of every message actually sent: fp8-ash without the
+    Hadamard, or E5M2 in place of E4M3, anywhere on the way fails here."""
+    linears, on_the_wire = run_distributed(_settings_worker, 2, argv, timeout=120)[0]
+    expected = {key: None if value == (None, None) else value for key, value in expected.items()}
+    for key in sorted(expected):
+        assert linears[key] == expected[key], f"layer {key[0]} {key[1]}: {linears[key]} != {expected[key]}"
+    assert set(linears) == set(expected)
+    used = {settings.describe() for value in expected.values() if value for codec in value if codec
+            for settings in [codec[0]]}
+    assert on_the_wire == used, f"message headers {sorted(on_the_wire)}, flags asked for {sorted(used)}"
 
 
 def _grads_worker(taco):
