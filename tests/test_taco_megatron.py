@@ -25,9 +25,13 @@ from megatron_taco.training.loop import TrainConfig, Trainer
 ALWAYS = dict(min_bytes=0)  # compress every message (the link probe would skip tiny CPU messages)
 FP8_ASH = TacoConfig(default=LinearSettings(mode="fp8-ash"), **ALWAYS)
 
-# Loss bound of compressed vs uncompressed training over 30 steps, both tiny models: measured
-# differences are below 0.5% of the loss; 2% leaves room for platform rounding differences.
-LOSS_REL_BOUND = 0.02
+# Compressed vs uncompressed training, 30 steps: the largest per-step |loss_taco - loss| / loss, measured
+# on CPU (identical with megatron-core 0.16.1 and 0.19.2, torch 2.13): GPT with SP 0.237%, Qwen without
+# SP 0.961%, Qwen with SP 1.998% (the others' steps stay below 1.2%); each bound is 1.3x of its case.
+# The two runs drift apart as training goes on (the largest difference is at step 26 in every case),
+# so any change of the codec's numbers, right or wrong, moves these: re-measure after one. Mistakes in
+# the codec settings are caught directly by test_every_linear_gets_exactly_the_codec_the_flags_ask_for.
+LOSS_REL_BOUND = {"gpt-sp": 0.0031, "qwen-nosp": 0.0125, "qwen-sp": 0.026}
 
 
 def _train(shape, sp, steps, taco, lr=3e-3):
@@ -56,12 +60,14 @@ def test_compression_off_by_threshold_takes_the_stock_path_exactly():
     assert stock == off
 
 
-@pytest.mark.parametrize("shape,sp", [(TINY_GPT, True), (TINY_QWEN, False), (TINY_QWEN, True)], ids=["gpt-sp", "qwen-nosp", "qwen-sp"])
-def test_fp8_ash_training_stays_close_to_baseline(shape, sp):
+@pytest.mark.parametrize("case", list(LOSS_REL_BOUND))
+def test_fp8_ash_training_stays_close_to_baseline(case):
+    shape, sp = {"gpt-sp": (TINY_GPT, True), "qwen-nosp": (TINY_QWEN, False), "qwen-sp": (TINY_QWEN, True)}[case]
     base = run_distributed(_train, 2, shape, sp, 30, None, timeout=300)[0]
     taco = run_distributed(_train, 2, shape, sp, 30, FP8_ASH, timeout=300)[0]
-    worst = max(abs(a - b) / b for a, b in zip(taco, base))
-    assert worst <= LOSS_REL_BOUND, (worst, taco[-5:], base[-5:])
+    rel = [abs(a - b) / b for a, b in zip(taco, base)]
+    worst = max(rel)
+    assert worst <= LOSS_REL_BOUND[case], f"{case}: loss {worst:.3%} from the baseline at step {rel.index(worst)}"
     assert taco != base, "compression must change the numbers a little"
     assert taco[-1] < 0.85 * taco[0], "training with TACO must still learn"
 
