@@ -5,7 +5,9 @@ the bytes it put on the wire (the compressed message, or the payload when the
 message went uncompressed); every Nth message per (linear, collective) also
 measures the codec's relative L2 error on the local payload (a local round
 trip: no extra communication). ``TELEMETRY`` is the process-wide instance the
-trainer logs every ``--taco-log-interval`` steps.
+trainer logs every ``--taco-log-interval`` steps. :meth:`TacoTelemetry.reset` starts a
+new interval; what the intervals held adds up in :meth:`TacoTelemetry.run_total`,
+for the end-of-run summary (:meth:`TacoTelemetry.start_run` clears that too).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import dataclasses
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from megatron_taco.codec import TacoCodec
 
@@ -32,6 +35,19 @@ class TrafficRecord:
     def mean_error(self) -> Optional[float]:
         return self.error_sum / self.error_samples if self.error_samples else None
 
+    def add(self, other: "TrafficRecord") -> None:
+        for field in dataclasses.fields(TrafficRecord):
+            setattr(self, field.name, getattr(self, field.name) + getattr(other, field.name))
+
+    def summed_over_ranks(self, device: torch.device) -> "TrafficRecord":
+        """This record added up over all ranks (a collective over the default group: every rank calls it)."""
+        fields = dataclasses.fields(TrafficRecord)
+        values = torch.tensor([float(getattr(self, f.name)) for f in fields], dtype=torch.float64, device=device)
+        if dist.is_initialized():
+            dist.all_reduce(values)
+        return TrafficRecord(*(v if f.type in (float, "float") else int(round(v))
+                               for f, v in zip(fields, values.tolist())))
+
 
 Key = Tuple[str, str, str]  # (linear name, collective, direction)
 
@@ -40,6 +56,7 @@ class TacoTelemetry:
     def __init__(self) -> None:
         self.records: Dict[Key, TrafficRecord] = collections.defaultdict(TrafficRecord)
         self.error_sample_interval = 10
+        self._earlier = TrafficRecord()  # the intervals before the last reset(), since start_run()
 
     def record(self, key: Key, payload: torch.Tensor, codec: Optional[TacoCodec], compressed: bool) -> None:
         rec = self.records[key]
@@ -68,7 +85,22 @@ class TacoTelemetry:
         rec.wire_bytes += nbytes
 
     def reset(self) -> None:
+        """Start a new interval (after a log line); the run total keeps what this one held."""
+        for rec in self.records.values():
+            self._earlier.add(rec)
         self.records.clear()
+
+    def start_run(self) -> None:
+        """Forget everything recorded so far: the interval and the run total."""
+        self.records.clear()
+        self._earlier = TrafficRecord()
+
+    def run_total(self) -> TrafficRecord:
+        """Every message recorded since start_run(), all linears together, across resets."""
+        total = dataclasses.replace(self._earlier)
+        for rec in self.records.values():
+            total.add(rec)
+        return total
 
     def totals(self) -> Tuple[int, int]:
         payload = sum(r.payload_bytes for r in self.records.values())
@@ -80,9 +112,7 @@ class TacoTelemetry:
         by_layer: Dict[str, TrafficRecord] = collections.defaultdict(TrafficRecord)
         for (name, _, _), rec in self.records.items():
             layer = name.rsplit(" ", 1)[0]
-            agg = by_layer[layer]
-            for field in dataclasses.fields(TrafficRecord):
-                setattr(agg, field.name, getattr(agg, field.name) + getattr(rec, field.name))
+            by_layer[layer].add(rec)
         lines = []
         for layer, rec in sorted(by_layer.items(), key=lambda item: int(item[0].split()[-1])):
             err = f"{rec.mean_error:.4f}" if rec.mean_error is not None else "-"
