@@ -27,6 +27,7 @@ from megatron.core import parallel_state
 
 from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stiefel import StiefelMomentumSGD
+from megatron_taco.mapl.telemetry import MAPL_TELEMETRY
 
 # Profiler range around MAPL's own work (projection, anchors, VQ, replica synchronisation): a profile
 # attributes the kernels launched inside it, and by the backward of ops recorded inside it, to the codec.
@@ -41,6 +42,8 @@ class MaplStage(torch.nn.Module):
         self.send = send
         self.config = model.config
         self._received: Optional[torch.Tensor] = None
+        # bytes megatron-core sends before each tensor (its shape, in variable-shape mode), for the telemetry
+        self.shape_message_bytes = 0
         # context anchors: (previous tokens n, the "before the start" row), alike at both boundaries of a stage
         self._context = next(((b.context, b.anchor_embedding.shape[0]) for b in self.boundaries() if b.context), None)
 
@@ -76,17 +79,24 @@ class MaplStage(torch.nn.Module):
             tokens, positions = self._local(input_ids), self._local(position_ids)
             previous = self._previous(input_ids)
         dtype = self.config.pipeline_dtype
+        training = torch.is_grad_enabled()  # validation's forward-only passes are not counted as traffic
         if self.recv is not None:
             with torch.profiler.record_function(CODEC_RANGE):
                 received = self.recv.dequantize(self._received) if self.recv.vq is not None else self._received
-                self.module.set_input_tensor(
-                    self.recv.reconstruct(received, tokens, dtype or self._received.dtype, positions, previous))
+                hidden = self.recv.reconstruct(received, tokens, dtype or self._received.dtype, positions, previous)
+            if training and self._received.requires_grad:
+                MAPL_TELEMETRY.watch_backward(self.recv.boundary, self._received, hidden, self.shape_message_bytes)
+            self.module.set_input_tensor(hidden)
         output = self.module(input_ids, position_ids, attention_mask, **kwargs)
         if self.send is not None:
+            activation = output
             with torch.profiler.record_function(CODEC_RANGE):
                 output = self.send.project(output, tokens, positions, previous)
                 if self.send.vq is not None:
                     output = self.send.quantize(output, dtype or output.dtype)
+            if training:  # with VQ the index wire sends the packed indices in place of the output
+                MAPL_TELEMETRY.record_forward(self.send.boundary, getattr(output, "mapl_indices", output), activation,
+                                              self.shape_message_bytes)
         return output
 
     def boundaries(self) -> List[BoundaryCodec]:
@@ -213,12 +223,14 @@ class MaplSync:
                 dist.all_reduce(grad, group=dp_group)
                 grad /= parallel_state.get_data_parallel_world_size()  # DP-averaged, like the other gradients
                 dist.all_reduce(grad, group=pair)
+                MAPL_TELEMETRY.record_sync(boundary.boundary, grad)
             for param in (p for p in boundary.parameters() if getattr(p, "mapl_anchor", False)):
                 grad = getattr(param, "main_grad", None)
                 if grad is None:
                     grad = param.grad
                 if grad is not None:
                     dist.all_reduce(grad, group=pair)
+                    MAPL_TELEMETRY.record_sync(boundary.boundary, grad)
 
     @torch.profiler.record_function(CODEC_RANGE)
     def manifold_step(self, lr_scale: float = 1.0, loss_scale: Union[float, torch.Tensor] = 1.0) -> None:
@@ -248,4 +260,5 @@ class MaplSync:
             sender = self.senders[boundary.boundary]
             target = boundary.vq.update_targets(reduce_groups) if sender == dist.get_rank() else None
             rows += boundary.vq.sync(self.groups[boundary.boundary], sender, target)
+            MAPL_TELEMETRY.record_sync(boundary.boundary, nbytes=boundary.vq.sync_bytes)
         return rows

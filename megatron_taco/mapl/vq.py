@@ -96,6 +96,7 @@ class ResidualVQ(torch.nn.Module):
         self.register_buffer("step_sum", torch.zeros(levels, codes, dim), persistent=False)
         self.register_buffer("step_square", torch.zeros(levels, codes), persistent=False)
         self.rows_synced = 0  # code words sent over the pair group, since start-up
+        self.sync_bytes = 0  # bytes the last sync() sent from this rank (the sender's row count, ids and rows)
 
     @torch.no_grad()
     def encode(self, z: torch.Tensor, record: bool) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -209,6 +210,7 @@ class ResidualVQ(torch.nn.Module):
         count = torch.tensor([0 if ids is None else ids.numel()], dtype=torch.int64, device=device)
         dist.broadcast(count, src=sender, group=group)
         rows = int(count)
+        self.sync_bytes = count.numel() * count.element_size() if target is not None else 0
         if rows == 0:
             return 0
         if ids is None:
@@ -218,6 +220,8 @@ class ResidualVQ(torch.nn.Module):
             values = target.reshape(-1, self.dim)[ids].contiguous()
         dist.broadcast(ids, src=sender, group=group)
         dist.broadcast(values, src=sender, group=group)
+        if target is not None:
+            self.sync_bytes += ids.numel() * ids.element_size() + values.numel() * values.element_size()
         active[ids] = values
         self.rows_synced += rows
         return rows

@@ -35,6 +35,7 @@ from megatron_taco.config.taco import TacoConfig
 from megatron_taco.mapl.anchor_init import start_anchors_from_embedding
 from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stage import MaplStage, MaplSync, ScheduleView
+from megatron_taco.mapl.telemetry import SHAPE_MESSAGE_BYTES
 from megatron_taco.mapl.vq import ResidualVQ, packed_width
 from megatron_taco.mapl.wire import IndexWireCommunicator
 from megatron_taco.megatron.attach import attach_taco
@@ -248,6 +249,9 @@ class Trainer:
             self.mapl_sync = MaplSync(self._mapl_stages, lr=cfg.mapl.lr, momentum=cfg.mapl.momentum)
             self.schedule_models = [ScheduleView(m, max(cfg.mapl_widths), variable_shapes=not cfg.mapl.uniform)
                                     for m in self.models]
+            if not cfg.mapl.uniform:  # megatron-core sends each tensor's shape first: counted in the MAPL telemetry
+                for stage in self._mapl_stages:
+                    stage.shape_message_bytes = SHAPE_MESSAGE_BYTES
             if cfg.mapl.vq_levels:
                 self.schedule_comm = dict(
                     p2p_communicator=IndexWireCommunicator(
