@@ -6,7 +6,13 @@ flag values with ``_`` for ``-``); flags given on the command line win.
 
 A bad flag, value, combination, config file or checkpoint stops the run at
 start-up with one line on rank 0 (a :class:`StartupError`, exit code 2); so
-does Ctrl-C (exit code 130). No rank prints a traceback or a usage block.
+does Ctrl-C (exit code 130), after the run summary. No rank prints a traceback
+or a usage block.
+
+Every ``--taco-log-interval`` steps rank 0 prints TACO's traffic (its own linears)
+and MAPL's (every boundary, all ranks); at the end, or at Ctrl-C, a run summary:
+steps, mean tokens/s after the first step, final losses, and bytes sent against
+uncompressed per mechanism (see :func:`summary_lines`).
 """
 
 from __future__ import annotations
@@ -24,10 +30,12 @@ import torch.distributed as dist
 import yaml
 
 from megatron_taco.config.mapl import add_mapl_args, mapl_config_from_args
-from megatron_taco.mapl.vq import index_bytes
+from megatron_taco.mapl import telemetry as mapl_telemetry
+from megatron_taco.mapl.telemetry import MAPL_TELEMETRY
+from megatron_taco.mapl.vq import index_bytes, packed_width
 from megatron_taco.config.taco import TacoConfigError, add_taco_args, taco_config_from_args
 from megatron_taco.megatron.attach import format_ranges
-from megatron_taco.megatron.telemetry import TELEMETRY
+from megatron_taco.megatron.telemetry import TELEMETRY, TrafficRecord
 from megatron_taco.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
 from megatron_taco.training.data import byte_text_batches, stdlib_text_files, synthetic_batches
 from megatron_taco.training.loop import LR_DECAY_STYLES, Trainer, TrainConfig, init_distributed
@@ -87,7 +95,8 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--save", default=None, help="directory for checkpoints")
     group.add_argument("--save-interval", type=int, default=0, help="steps between checkpoints (0: only at the end)")
     group.add_argument("--load", default=None, help="resume from the newest checkpoint in this directory")
-    group.add_argument("--tensorboard-dir", default=None, help="write loss and TACO telemetry scalars here (rank 0)")
+    group.add_argument("--tensorboard-dir", default=None,
+                       help="write loss, TACO and MAPL telemetry scalars here (rank 0)")
     return parser
 
 
@@ -331,11 +340,88 @@ def _exit_with_line(message: str, code: int) -> NoReturn:
     raise SystemExit(code)
 
 
+class RunRecord:
+    """What the end-of-run summary reports, gathered step by step (every rank keeps the same)."""
+
+    def __init__(self, start: int, train_iters: int, tokens_per_step: int) -> None:
+        self.start, self.train_iters, self.tokens_per_step = start, train_iters, tokens_per_step
+        self.elapsed: List[float] = []  # seconds of each step run, in order
+        self.loss: Optional[float] = None
+        self.validation: Optional[tuple] = None  # (step, loss) of the last evaluation
+        self.began = time.perf_counter()
+
+    def add_step(self, elapsed: float, loss: float) -> None:
+        self.elapsed.append(elapsed)
+        self.loss = loss
+
+    @property
+    def last_step(self) -> int:
+        return self.start + len(self.elapsed)
+
+    def steps_line(self, stopped: Optional[str]) -> str:
+        """Steps run, where from, and the mean throughput of the steps after the first (it includes start-up)."""
+        count, first, last = len(self.elapsed), self.start + 1, self.last_step
+        head = f"run summary{f', stopped by Ctrl-C {stopped}' if stopped else ''}: "
+        if not count:
+            return head + f"no steps run{f' (resumed at step {self.start})' if self.start else ''}"
+        span = f"{first}-{last}" if count > 1 else f"{first}"
+        resumed = f", resumed from step {self.start}" if self.start else ""
+        line = (f"{head}{count} step{'s' if count > 1 else ''} ({span} of {self.train_iters}{resumed}) in "
+                f"{time.perf_counter() - self.began:.1f} s; ")
+        first_rate = self.tokens_per_step / self.elapsed[0]
+        if count == 1:
+            return line + f"{first_rate:.0f} tokens/s (one step, start-up included)"
+        mean = self.tokens_per_step * (count - 1) / sum(self.elapsed[1:])
+        after = f"steps {first + 1}-{last}" if count > 2 else f"step {last}"
+        return line + (f"{mean:.0f} tokens/s mean over {after} "
+                       f"(step {first}, with start-up: {first_rate:.0f} tokens/s)")
+
+    def loss_line(self) -> Optional[str]:
+        if self.loss is None:
+            return None
+        line = f"run summary: final loss {self.loss:.4f} (step {self.last_step})"
+        if self.validation is not None:
+            line += f"; final validation loss {self.validation[1]:.4f} (step {self.validation[0]})"
+        return line
+
+
+def _taco_summary(total: TrafficRecord) -> str:
+    err = f"{total.mean_error:.4f}" if total.mean_error is not None else "-"
+    return (f"run summary: TACO tensor-parallel traffic, all ranks, whole run (validation included): "
+            f"{mapl_telemetry.compared(total.payload_bytes, total.wire_bytes, summary=True)}; "
+            f"{total.compressed_calls} of {total.calls} messages compressed, sampled rel.err {err}")
+
+
+def _mapl_summary(traffic: List[mapl_telemetry.BoundaryTraffic], steps: int, pipeline_parallel: int) -> List[str]:
+    lines = [f"run summary: MAPL {mapl_telemetry.boundary_name(g, pipeline_parallel)} per training step, all ranks: "
+             f"{mapl_telemetry.describe_boundary(t, steps, summary=True)}" for g, t in enumerate(traffic)]
+    lines.append(f"run summary: MAPL total, {steps} training step{'s' if steps != 1 else ''}, all boundaries and "
+                 f"ranks: {mapl_telemetry.describe_total(traffic, summary=True)}")
+    return lines
+
+
+def summary_lines(run: RunRecord, args: argparse.Namespace, cfg: TrainConfig, device: torch.device,
+                  stopped: Optional[str] = None) -> List[str]:
+    """The end-of-run summary: steps and tokens/s, final losses, bytes sent vs uncompressed per mechanism.
+
+    Adds the traffic up over all ranks (collectives): every rank calls it at the same step boundary."""
+    lines = [run.steps_line(stopped)]
+    loss = run.loss_line()
+    if loss:
+        lines.append(loss)
+    if args.taco.enabled:
+        lines.append(_taco_summary(TELEMETRY.run_total().summed_over_ranks(device)))
+    if args.mapl is not None and run.elapsed:
+        traffic = MAPL_TELEMETRY.summed(len(cfg.mapl_widths), device, run=True)
+        lines += _mapl_summary(traffic, len(run.elapsed), cfg.pipeline_parallel)
+    return lines
+
+
 def main(argv: Optional[List[str]] = None) -> List[float]:
     """Train as the flags say; return the loss of every step run.
 
     A StartupError ends every rank with exit code 2, Ctrl-C (at the next step boundary) with 130; rank 0
-    prints one line.
+    prints one line (after the run summary, for Ctrl-C).
     """
     signal.signal(signal.SIGINT, _request_interrupt)
     try:
@@ -344,6 +430,15 @@ def main(argv: Optional[List[str]] = None) -> List[float]:
         _exit_with_line(f"error: {exc}", 2)
     except KeyboardInterrupt as exc:
         _exit_with_line(f"interrupted (Ctrl-C) {exc}", 130)
+
+
+def _vq_wire(args: argparse.Namespace, trainer: Trainer) -> str:
+    """The forward bytes per token of the index wire: L indices, padded to whole elements of the pipeline dtype."""
+    indices = args.mapl.vq_levels * index_bytes(args.mapl.vq_codes)
+    dtype = trainer.config.pipeline_dtype
+    sent = packed_width(args.mapl.vq_levels, args.mapl.vq_codes, dtype) * torch.empty((), dtype=dtype).element_size()
+    return (f"{indices} bytes/token forward" if sent == indices else
+            f"{indices} index bytes/token forward, sent as {sent} bytes in {str(dtype).replace('torch.', '')}")
 
 
 def _train(args: argparse.Namespace) -> List[float]:
@@ -367,13 +462,13 @@ def _train(args: argparse.Namespace) -> List[float]:
              f"min-bytes {'auto' if args.taco.min_bytes is None else args.taco.min_bytes}")
     if args.mapl is not None:
         widths = cfg.mapl_widths
-        _log(f"MAPL: {len(widths)} boundaries, hidden {cfg.shape.hidden_size} -> {widths} "
+        _log(f"MAPL: {len(widths)} boundar{'y' if len(widths) == 1 else 'ies'}, hidden {cfg.shape.hidden_size} -> "
+             f"{widths} "
              f"({', '.join(f'{cfg.shape.hidden_size / r:g}x' for r in widths)}), anchor rank {args.mapl.anchor_rank}"
              + (", position anchors" if cfg.mapl_position_anchors else "")
              + (f", context anchors for {args.mapl.context_anchors} previous tokens" if args.mapl.context_anchors else "")
              + (", fixed projection" if args.mapl.fixed_projection else "")
-             + (f", residual VQ {args.mapl.vq_levels} x {args.mapl.vq_codes} codes "
-                f"({args.mapl.vq_levels * index_bytes(args.mapl.vq_codes)} bytes/token forward)"
+             + (f", residual VQ {args.mapl.vq_levels} x {args.mapl.vq_codes} codes ({_vq_wire(args, trainer)})"
                 if args.mapl.vq_levels else ""))
     try:  # a --data source or a --load checkpoint this run cannot use: the message names the flag
         # one identical stream per model chunk (the interleaved schedule reads each chunk's own)
@@ -390,15 +485,22 @@ def _train(args: argparse.Namespace) -> List[float]:
         _log(f"resumed from {args.load} at step {start}")
     writer = _tensorboard_writer(args.tensorboard_dir)
     tokens_per_step = cfg.micro_batch_size * cfg.num_microbatches * data_parallel * cfg.shape.seq_length
+    interval = args.taco.log_interval  # --taco-log-interval: TACO's and MAPL's telemetry lines
+    TELEMETRY.start_run()
+    MAPL_TELEMETRY.start_run()
+    run = RunRecord(start, args.train_iters, tokens_per_step)
     losses = []
+    stopped = None
     try:
         for step in range(start + 1, args.train_iters + 1):
             if _interrupt_agreed(trainer.device):
-                raise KeyboardInterrupt(f"after step {step - 1} of {args.train_iters}")
+                stopped = f"after step {step - 1} of {args.train_iters}"
+                break
             began = time.perf_counter()
             stats = trainer.train_step(data)
             elapsed = time.perf_counter() - began
             losses.append(stats["loss"])
+            run.add_step(elapsed, stats["loss"])
             if writer is not None:
                 writer.add_scalar("lm loss", stats["loss"], step)
             if step % args.log_interval == 0 or step == args.train_iters:
@@ -411,15 +513,35 @@ def _train(args: argparse.Namespace) -> List[float]:
             if valid is not None and args.eval_iters and (
                 (args.eval_interval and step % args.eval_interval == 0) or step == args.train_iters
             ):
-                _log(f"validation at step {step} | loss {trainer.evaluate(valid, args.eval_iters):.4f}")
+                run.validation = (step, trainer.evaluate(valid, args.eval_iters))
+                _log(f"validation at step {step} | loss {run.validation[1]:.4f}")
             if args.save and ((args.save_interval and step % args.save_interval == 0) or step == args.train_iters):
                 _log(f"saved checkpoint {save_checkpoint(trainer, args.save)}")
-            if args.taco.enabled and args.taco.log_interval and step % args.taco.log_interval == 0:
-                for line in TELEMETRY.format_lines():
-                    _log(line)
-                if writer is not None:
-                    TELEMETRY.write_tensorboard(writer, step)
-                TELEMETRY.reset()
+            if interval and step % interval == 0:
+                _log_telemetry(args, cfg, trainer, writer, step, steps=step - max(start, step - interval))
+        for line in summary_lines(run, args, cfg, trainer.device, stopped):
+            _log(line)
     finally:
         trainer.close()
+    if stopped:
+        raise KeyboardInterrupt(stopped)
     return losses
+
+
+def _log_telemetry(args: argparse.Namespace, cfg: TrainConfig, trainer: Trainer, writer, step: int,
+                   steps: int) -> None:
+    """TACO's lines (this rank's linears) and MAPL's (every boundary, all ranks: a collective) of the last
+    ``steps`` steps, to the log and TensorBoard; then a new interval starts."""
+    if args.taco.enabled:
+        for line in TELEMETRY.format_lines():
+            _log(line)
+        if writer is not None:
+            TELEMETRY.write_tensorboard(writer, step)
+        TELEMETRY.reset()
+    if args.mapl is not None:
+        traffic = MAPL_TELEMETRY.summed(len(cfg.mapl_widths), trainer.device)
+        for line in mapl_telemetry.format_lines(traffic, steps, cfg.pipeline_parallel):
+            _log(line)
+        if writer is not None:
+            mapl_telemetry.write_tensorboard(writer, step, traffic, steps)
+        MAPL_TELEMETRY.reset()
