@@ -179,15 +179,17 @@ def test_mapl_pp2_lines_and_summary_count_the_boundary_traffic():
 def test_mapl_vq_summary_of_a_resumed_run_counts_the_indices_sent(tmp_path):
     """Residual VQ, 2 levels of 32 codes: 2 one-byte indices per token, padded to one fp32 element, go forward;
     the r-wide gradient goes back; the code words streamed to the receiver add to the replica sync."""
-    vq = MAPL_PP2 + ["--mapl-vq-levels", "2", "--mapl-vq-codes", "32", "--taco-log-interval", "0"]
-    run_distributed(_trainer, 2, vq + ["--train-iters", "2", "--save", str(tmp_path)], timeout=300)
-    out, _, losses, _ = run_distributed(_trainer, 2, vq + ["--train-iters", "4", "--load", str(tmp_path)],
-                                        timeout=300)[0]
+    vq = MAPL_PP2 + ["--mapl-vq-levels", "2", "--mapl-vq-codes", "32"]
+    first = run_distributed(_trainer, 2, vq + ["--train-iters", "2", "--save", str(tmp_path),
+                                               "--taco-log-interval", "0"], timeout=300)[0][0]
+    assert "run summary: 2 steps (1-2 of 2) in " in first
+    assert "mapl boundary" not in first and "mapl total" not in first  # --taco-log-interval 0: no periodic lines
+    out, _, losses, _ = run_distributed(_trainer, 2, vq + ["--train-iters", "4", "--load", str(tmp_path),
+                                                           "--taco-log-interval", "3"], timeout=300)[0]
     assert len(losses) == 2
     assert re.search(r"residual VQ 2 x 32 codes \(2 index bytes/token forward, sent as 4 bytes in float32\)$", out,
                      re.M), out[:3000]
     _check_steps_line(out, 3, 4, 4, resumed=", resumed from step 2")
-    assert "mapl boundary" not in out and "mapl total" not in out  # --taco-log-interval 0: no periodic lines
     rows = [int(n) for n in re.findall(r"^step \d/4 .*\| (\d+) code words synced$", out, re.M)]  # rank 0 sends them
     assert len(rows) == 2
     # per code word: its int64 id and r fp32 values; per step: the int64 row count
@@ -203,3 +205,7 @@ def test_mapl_vq_summary_of_a_resumed_run_counts_the_indices_sent(tmp_path):
     assert _close(synced, sync), (synced, sync)
     assert re.search(rf"^run summary: MAPL total, 2 training steps, all boundaries and ranks: "
                      rf"{NUM} sent vs {NUM} uncompressed \({2 * full / (index_wire + grad_wire):.2f}x\)", out, re.M)
+    # the first periodic line after the resume covers step 3 alone
+    fwd_full, fwd_wire = _one(rf"^mapl boundary 0 \(stage 0 -> 1\) per step, all ranks: forward {NUM} -> {NUM} ", out)
+    assert _close(fwd_full, full) and _close(fwd_wire, index_wire), (fwd_full, fwd_wire)
+    _one(r"^mapl total over 1 step, all boundaries and ranks: ", out)
