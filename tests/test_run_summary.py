@@ -139,25 +139,27 @@ def test_mapl_pp2_lines_and_summary_count_the_boundary_traffic():
     """PP=2 at 4x on fp32 activations: per step, d-wide activations of every token would cross forward and
     backward; r-wide ones do. Validation's forward passes are not counted."""
     out, _, losses, scalars = run_distributed(
-        _trainer, 2, MAPL_PP2 + ["--train-iters", "3", "--taco-log-interval", "2", "--eval-iters", "1",
+        _trainer, 2, MAPL_PP2 + ["--train-iters", "4", "--taco-log-interval", "2", "--eval-iters", "1",
                                  "--tensorboard-dir", "tb"], timeout=300)[0]
-    assert len(losses) == 3
+    assert len(losses) == 4
     assert re.search(rf"^MAPL: 1 boundary, hidden {D} -> \[{R}\] \(4x\), ", out, re.M), out[:3000]
-    steps = _check_steps_line(out, 1, 3, 3)
-    validation = float(_one(r"^validation at step 3 \| loss ([\d.]+)$", out))
-    assert _one(r"^run summary: final loss ([\d.]+) \(step 3\); final validation loss ([\d.]+) \(step 3\)$", out) \
-        == (f"{steps[3][0]:.4f}", f"{validation:.4f}")
+    steps = _check_steps_line(out, 1, 4, 4)
+    validation = float(_one(r"^validation at step 4 \| loss ([\d.]+)$", out))
+    assert _one(r"^run summary: final loss ([\d.]+) \(step 4\); final validation loss ([\d.]+) \(step 4\)$", out) \
+        == (f"{steps[4][0]:.4f}", f"{validation:.4f}")
 
     full, wire = TOKENS * D * FP32, TOKENS * R * FP32
-    fwd_full, fwd_wire, fwd_ratio, bwd_full, bwd_wire, bwd_ratio, sync = _one(
-        rf"^mapl boundary 0 \(stage 0 -> 1\) per step, all ranks: forward {NUM} -> {NUM} \(([\d.]+)x\), backward "
-        rf"{NUM} -> {NUM} \(([\d.]+)x\), replica sync {NUM}$", out)
+    lines = re.findall(rf"^mapl boundary 0 \(stage 0 -> 1\) per step, all ranks: forward {NUM} -> {NUM} \(([\d.]+)x\), "
+                       rf"backward {NUM} -> {NUM} \(([\d.]+)x\), replica sync {NUM}$", out, re.M)
+    assert len(lines) == 2 and lines[0] == lines[1], (lines, out[-3000:])  # steps 1-2, then 3-4 alone
+    fwd_full, fwd_wire, fwd_ratio, bwd_full, bwd_wire, bwd_ratio, sync = lines[0]
     assert all(_close(text, full) for text in (fwd_full, bwd_full)), (fwd_full, bwd_full, full)
     assert all(_close(text, wire) for text in (fwd_wire, bwd_wire)), (fwd_wire, bwd_wire, wire)
     assert fwd_ratio == bwd_ratio == "4.00" and _close(sync, SYNC), (sync, SYNC)
-    total_full, total_wire, synced, with_sync = _one(
-        rf"^mapl total over 2 steps, all boundaries and ranks: {NUM} -> {NUM} \(4.00x\); with replica sync {NUM} "
-        rf"\(([\d.]+)x\)$", out)
+    totals = re.findall(rf"^mapl total over 2 steps, all boundaries and ranks: {NUM} -> {NUM} \(4.00x\); with replica "
+                        rf"sync {NUM} \(([\d.]+)x\)$", out, re.M)
+    assert len(totals) == 2 and totals[0] == totals[1], totals
+    total_full, total_wire, synced, with_sync = totals[0]
     assert _close(total_full, 2 * 2 * full) and _close(total_wire, 2 * 2 * wire)
     assert _close(synced, 2 * (2 * wire + SYNC)) and float(with_sync) == pytest.approx(2 * full / (2 * wire + SYNC),
                                                                                          abs=0.005)
@@ -170,10 +172,10 @@ def test_mapl_pp2_lines_and_summary_count_the_boundary_traffic():
     assert [_close(text, value) for text, value in zip(per_step, [wire, full, wire, full, SYNC])] == [True] * 5, \
         per_step
     total_wire, total_full, synced = _one(
-        rf"^run summary: MAPL total, 3 training steps, all boundaries and ranks: {NUM} sent vs {NUM} uncompressed "
+        rf"^run summary: MAPL total, 4 training steps, all boundaries and ranks: {NUM} sent vs {NUM} uncompressed "
         rf"\(4.00x\); with replica sync {NUM} sent \([\d.]+x\)$", out)
-    assert _close(total_wire, 3 * 2 * wire) and _close(total_full, 3 * 2 * full)
-    assert _close(synced, 3 * (2 * wire + SYNC))
+    assert _close(total_wire, 4 * 2 * wire) and _close(total_full, 4 * 2 * full)
+    assert _close(synced, 4 * (2 * wire + SYNC))
 
 
 def test_mapl_vq_summary_of_a_resumed_run_counts_the_indices_sent(tmp_path):
