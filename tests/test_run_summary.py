@@ -116,7 +116,7 @@ def test_taco_summary_counts_every_rank_and_the_whole_run_also_on_ctrl_c():
     group, header, scale = 128, 16, 4  # fp8-ash: a byte per value, a 4-byte fp32 scale per group of 128
     wire = messages * 4 * sum(header + math.ceil(n / group) * (group + scale) for n in (shard, full))
     sent, uncompressed, ratio, compressed, calls = _one(
-        rf"^run summary: TACO tensor-parallel traffic, all ranks, whole run \(validation included\): {NUM} sent vs "
+        rf"^run summary: TACO tensor-parallel traffic, all ranks, whole run: {NUM} sent vs "
         rf"{NUM} uncompressed \(([\d.]+)x\); (\d+) of (\d+) messages compressed, sampled rel.err [\d.]+$", out)
     assert _close(sent, wire) and _close(uncompressed, payload), (sent, wire, uncompressed, payload)
     assert float(ratio) == pytest.approx(payload / wire, abs=0.005)

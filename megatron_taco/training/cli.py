@@ -385,9 +385,10 @@ class RunRecord:
         return line
 
 
-def _taco_summary(total: TrafficRecord) -> str:
+def _taco_summary(total: TrafficRecord, validated: bool) -> str:
     err = f"{total.mean_error:.4f}" if total.mean_error is not None else "-"
-    return (f"run summary: TACO tensor-parallel traffic, all ranks, whole run (validation included): "
+    scope = "whole run with validation" if validated else "whole run"
+    return (f"run summary: TACO tensor-parallel traffic, all ranks, {scope}: "
             f"{mapl_telemetry.compared(total.payload_bytes, total.wire_bytes, summary=True)}; "
             f"{total.compressed_calls} of {total.calls} messages compressed, sampled rel.err {err}")
 
@@ -409,8 +410,8 @@ def summary_lines(run: RunRecord, args: argparse.Namespace, cfg: TrainConfig, de
     loss = run.loss_line()
     if loss:
         lines.append(loss)
-    if args.taco.enabled:
-        lines.append(_taco_summary(TELEMETRY.run_total().summed_over_ranks(device)))
+    if args.taco.enabled and run.elapsed:
+        lines.append(_taco_summary(TELEMETRY.run_total().summed_over_ranks(device), run.validation is not None))
     if args.mapl is not None and run.elapsed:
         traffic = MAPL_TELEMETRY.summed(len(cfg.mapl_widths), device, run=True)
         lines += _mapl_summary(traffic, len(run.elapsed), cfg.pipeline_parallel)
