@@ -51,6 +51,9 @@ def _trainer(argv, stop_after=None):
         def add_scalar(self, tag, value, step):
             scalars.append((tag, value, step))
 
+        def close(self):
+            scalars.append("closed")
+
     cli._tensorboard_writer = lambda directory: Writer() if directory and dist.get_rank() == 0 else None
     if stop_after is not None:
         agreed, checks = cli._interrupt_agreed, []
@@ -163,6 +166,7 @@ def test_mapl_pp2_lines_and_summary_count_the_boundary_traffic():
     assert _close(total_full, 2 * 2 * full) and _close(total_wire, 2 * 2 * wire)
     assert _close(synced, 2 * (2 * wire + SYNC)) and float(with_sync) == pytest.approx(2 * full / (2 * wire + SYNC),
                                                                                          abs=0.005)
+    assert scalars[-1] == "closed"
     assert ("mapl/boundary_0/forward/wire_MiB_per_step", wire / 2**20, 2) in scalars, scalars
     assert ("mapl/boundary_0/backward/uncompressed_MiB_per_step", full / 2**20, 2) in scalars, scalars
 

@@ -524,6 +524,8 @@ def _train(args: argparse.Namespace) -> List[float]:
             _log(line)
     finally:
         trainer.close()
+        if writer is not None:  # flushes the last scalars (the writer's thread would drop them at exit)
+            writer.close()
     if stopped:
         raise KeyboardInterrupt(stopped)
     return losses
