@@ -9,6 +9,7 @@ point itself for the exit code and the single line of output from 2 ranks, and f
 import os
 
 import pytest
+import torch
 
 from megatron_taco.training import cli
 
@@ -51,6 +52,15 @@ def _startup_error(argv, world_size=2) -> str:
 )
 def test_bad_flags_fail_with_the_flag_and_what_it_allows(flags, message):
     assert _startup_error(["--config", TINY, *flags]).startswith(message)
+
+
+def test_backends_that_cannot_run_here_fail_at_start_up(monkeypatch):
+    assert _startup_error(["--config", TINY, "--taco-backend", "te"]).startswith(
+        "--taco-backend: invalid value 'te'; choose from auto, torch, triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if not torch.cuda.is_available():
+        assert _startup_error(["--config", TINY, "--taco-backend", "triton"]).startswith(
+            "--taco-backend triton: Triton's kernels need a GPU here")
 
 
 def test_a_global_batch_that_does_not_split_into_micro_batches_per_replica_fails():

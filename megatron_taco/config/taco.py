@@ -11,13 +11,15 @@ import dataclasses
 import re
 from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
+from megatron_taco.codec.format import FP8_FORMATS, GROUP_SIZES, SCALE_MODES
+from megatron_taco.codec.taco import BACKENDS
+
 MODES = ("none", "fp8", "fp8-ash")
 LINEARS = ("qkv", "proj", "fc1", "fc2")
 DIRECTIONS = ("fwd", "bwd", "both")
-BACKENDS = ("auto", "torch", "triton", "te")
-SCALES = ("fp32", "dual", "e8m0")
-FORMATS = ("e4m3", "e5m2")
-GROUP_SIZES = (32, 64, 128, 256)
+# the codec's own vocabulary (one definition): backends, scale storage, FP8 formats, group sizes
+SCALES = tuple(SCALE_MODES)
+FORMATS = tuple(FP8_FORMATS)
 _SIZE_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
@@ -176,7 +178,7 @@ def add_taco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "group (off on NVLink-class links). Accepts K/M/G suffixes")
     group.add_argument("--taco-chunk-bytes", default="128M", help="pipelining piece size for large messages (0: off)")
     group.add_argument("--taco-backend", default="auto",
-                       help="auto (Triton kernels on GPU), torch (reference), triton, te (Transformer Engine casts)")
+                       help="auto (Triton kernels on GPU, torch elsewhere), torch (reference), triton (needs a GPU)")
     group.add_argument("--taco-log-interval", default="10", help="steps between telemetry log lines (0: off)")
     group.add_argument("--taco-error-sample-interval", default="10",
                        help="measure the codec's relative error on every Nth message per linear (0: never)")
@@ -191,6 +193,17 @@ def _positive_int(value, flag: str, minimum: int = 0) -> int:
     if number < minimum:
         raise TacoConfigError(f"{flag}: invalid value {value!r}; expected an integer >= {minimum}")
     return number
+
+
+def check_backend_runs_here(backend: str) -> None:
+    """``--taco-backend triton`` needs a GPU (or Triton's CPU interpreter, TRITON_INTERPRET=1, as the tests use)."""
+    import os
+
+    import torch
+
+    if backend == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        raise TacoConfigError("--taco-backend triton: Triton's kernels need a GPU here (no CUDA device); use auto or "
+                              "torch, or TRITON_INTERPRET=1 for Triton's slow CPU interpreter")
 
 
 def taco_config_from_args(args: argparse.Namespace) -> TacoConfig:

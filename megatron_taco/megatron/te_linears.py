@@ -64,14 +64,6 @@ class TeCompression:
     row: Optional[LinearCompression] = None
 
 
-def te_available() -> bool:
-    try:
-        import transformer_engine.pytorch  # noqa: F401
-    except (ImportError, OSError, RuntimeError):  # not installed, or no CUDA to load its library
-        return False
-    return True
-
-
 def is_te_linear(module: torch.nn.Module) -> bool:
     """Whether ``module`` is a TE Linear / LayerNormLinear / LayerNormMLP (without importing TE when absent)."""
     if not type(module).__module__.startswith(("transformer_engine", "megatron.core.extensions")):

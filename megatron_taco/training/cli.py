@@ -33,7 +33,7 @@ from megatron_taco.config.mapl import add_mapl_args, mapl_config_from_args
 from megatron_taco.mapl import telemetry as mapl_telemetry
 from megatron_taco.mapl.telemetry import MAPL_TELEMETRY
 from megatron_taco.mapl.vq import index_bytes, packed_width
-from megatron_taco.config.taco import TacoConfigError, add_taco_args, taco_config_from_args
+from megatron_taco.config.taco import TacoConfigError, add_taco_args, check_backend_runs_here, taco_config_from_args
 from megatron_taco.megatron.attach import format_ranges
 from megatron_taco.megatron.telemetry import TELEMETRY, TrafficRecord
 from megatron_taco.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
@@ -311,6 +311,10 @@ def startup_config(args: argparse.Namespace, world_size: int) -> TrainConfig:
     try:
         cfg = _train_config(args, data_parallel)
     except ValueError as exc:  # invalid combinations: the message names the flags
+        raise StartupError(str(exc)) from None
+    try:
+        check_backend_runs_here(args.taco.backend)
+    except TacoConfigError as exc:
         raise StartupError(str(exc)) from None
     if args.load:
         _check_resume(args.load, args.train_iters)
