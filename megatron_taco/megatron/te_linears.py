@@ -93,6 +93,8 @@ def _intercept(te_file: str, name: str, original: Callable) -> Callable:
 
     @functools.wraps(original)
     def call(*args, **kwargs):
+        if getattr(_ACTIVE, "settings", None) is None:  # no TACO module running: TE's own path, nothing to bind
+            return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs).arguments
         inp = next(iter(bound.values()))
         preallocated = any(bound.get(k) is not None for k in ("output", "output_tensor")) or bound.get(
