@@ -202,18 +202,16 @@ def log_telemetry(iteration: int, writer=None) -> List[str]:
     return lines
 
 
-def use_checkout_of(script: str) -> Optional[str]:
-    """Put the Megatron-LM checkout that holds ``script`` first on ``sys.path``; return its folder (None when
-    the script's folder has no ``megatron`` package: the installed one is used)."""
+def use_checkout_of(script: str) -> None:
+    """Put the script's folder first on ``sys.path`` (the script imports its siblings); when it is a Megatron-LM
+    checkout (it holds ``megatron/``), that makes its ``megatron`` the one imported, not an installed one."""
     folder = os.path.dirname(os.path.abspath(script))
     loaded = sys.modules.get("megatron")
-    if not os.path.isdir(os.path.join(folder, "megatron")):
-        return None
-    if loaded is not None and os.path.join(folder, "megatron") not in [os.path.abspath(p) for p in loaded.__path__]:
+    checkout = os.path.join(folder, "megatron")
+    if loaded is not None and os.path.isdir(checkout) and checkout not in [os.path.abspath(p) for p in loaded.__path__]:
         raise SystemExit(f"error: megatron was imported from {list(loaded.__path__)} before the launcher could put "
                          f"{folder} first on sys.path")
     sys.path.insert(0, folder)
-    return folder
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -224,8 +222,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if not os.path.isfile(script):
         raise SystemExit(f"error: training script {script!r} not found")
     _reject_mapl(script_args)
-    if use_checkout_of(script) is None:
-        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # the script imports its siblings
+    use_checkout_of(script)
     install_hooks()
     sys.argv = [script, *script_args]
     runpy.run_path(script, run_name="__main__")

@@ -108,3 +108,19 @@ def test_telemetry_goes_to_the_log_and_tensorboard_at_the_interval():
         assert not TELEMETRY.records, "stats restart after each report"
     finally:
         launch._STATE["taco"] = None
+
+
+def test_launcher_runs_the_scripts_own_checkout_and_says_which(tmp_path):
+    """A script beside a ``megatron/`` folder (a Megatron-LM checkout) gets that megatron, not the installed one."""
+    import megatron.core
+
+    installed = os.path.dirname(os.path.dirname(os.path.abspath(megatron.core.__file__)))  # the installed megatron/
+    (tmp_path / "megatron").symlink_to(installed, target_is_directory=True)
+    script = tmp_path / "pretrain_gpt.py"
+    script.write_text("import megatron.core\nprint('ran with', megatron.core.__file__)\n")
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, "-m", "megatron_taco.launch", str(script)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert f"megatron_taco: megatron-core {megatron.core.__version__} from {tmp_path}\n" in proc.stdout
+    assert f"ran with {tmp_path}/megatron/core/__init__.py" in proc.stdout

@@ -74,13 +74,12 @@ class LinearCompression:
         """Whether no message of ``messages`` ({(collective, direction): bytes}) would be compressed. Then
         the linear takes megatron-core's stock path (which overlaps its communication with compute) and
         the messages are recorded as sent uncompressed."""
-        messages = {(collective.__name__, direction): nbytes for (collective, direction), nbytes in messages.items()}
         min_bytes = self.options(group, device).min_bytes
         if any(self.codec(direction) is not None and nbytes >= min_bytes
                for (_, direction), nbytes in messages.items()):
             return False
         for (collective, direction), nbytes in messages.items():
-            TELEMETRY.record_uncompressed((self.name, collective, direction), nbytes)
+            TELEMETRY.record_uncompressed((self.name, collective.__name__, direction), nbytes)
         return True
 
 
