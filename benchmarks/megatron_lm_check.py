@@ -7,7 +7,8 @@ from the repository root, or ``bash scripts/megatron_lm_check.sh /path/to/Megatr
 file by path: there megatron_taco must be importable (``pip install -e .`` or the repository on PYTHONPATH).
 
 Every row is one ``torchrun --nproc-per-node 2`` run of Megatron-LM's ``pretrain_gpt.py`` with
-``--mock-data`` (TP=2 + sequence parallelism, 8 layers, hidden 2048, sequence 2048, micro-batch 4):
+``--mock-data`` (TP=2 + sequence parallelism, or PP=2 with 4 micro-batches per step for the MAPL rows;
+8 layers, hidden 2048, sequence 2048, micro-batch 4):
 through ``python -m megatron_taco.launch`` or through a copy of the checkout patched by
 ``scripts/apply_patch.sh``. A row's speed is the median of Megatron-LM's own "elapsed time per
 iteration" over the log intervals after the first (warm-up) one; with ``repeats`` > 1 it is the median
@@ -47,8 +48,7 @@ MODELS = {
              "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
              "--untie-embeddings-and-output-weights", "--max-position-embeddings", "2048"],
 }
-COMMON = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "2048",
-          "--micro-batch-size", "4", "--global-batch-size", "4", "--mock-data", "--tokenizer-type", "NullTokenizer",
+COMMON = ["--seq-length", "2048", "--mock-data", "--tokenizer-type", "NullTokenizer",
           "--vocab-size", "32000", "--lr", "1e-4", "--min-lr", "1e-5", "--lr-decay-style", "constant", "--bf16",
           "--log-interval", "5", "--eval-iters", "0", "--eval-interval", "100000", "--seed", "1234",
           "--distributed-backend", "nccl", "--taco-log-interval", "5"]
@@ -75,19 +75,26 @@ class Row:
     release: str = "0.19"  # 0.19: --megatron-lm; 0.16: --megatron-lm-016
     repeats: int = 1
     iters: int = 20
+    pipeline: int = 1  # 1: TP=2 + SP; 2: PP=2 (TP=1, 4 micro-batches per step)
+    mapl: str = "none"  # none | 8 (--mapl-ratio 8) | 8-vq (and --mapl-vq-levels 2)
 
     @property
     def baseline(self) -> Optional[str]:
-        if self.taco == "none" and self.path == "launcher":
+        if self.taco == "none" and self.mapl == "none" and self.path == "launcher":
             return None
-        return f"{self.link}-{self.model}-{self.impl}-{self.precision}-none" + (
-            "-016" if self.release == "0.16" else "")
+        return _name(self.link, self.model, self.impl, self.precision, "none", pipeline=self.pipeline,
+                     release=self.release)
+
+
+def _name(link, model, impl, precision, taco, pipeline=1, mapl="none", path="launcher", release="0.19") -> str:
+    return (f"{link}-{model}-{impl}-{precision}-{taco}" + (f"-pp{pipeline}" if pipeline > 1 else "")
+            + (f"-mapl{mapl}" if mapl != "none" else "") + ("-patch" if path == "patch" else "")
+            + ("-016" if release == "0.16" else ""))
 
 
 def _row(link, model, impl, precision, taco, **kw) -> Row:
-    name = f"{link}-{model}-{impl}-{precision}-{taco}" + ("-patch" if kw.get("path") == "patch" else "") + (
-        "-016" if kw.get("release") == "0.16" else "")
-    return Row(name, model, impl, precision, taco, link, **kw)
+    naming = {k: v for k, v in kw.items() if k in ("pipeline", "mapl", "path", "release")}
+    return Row(_name(link, model, impl, precision, taco, **naming), model, impl, precision, taco, link, **kw)
 
 
 ROWS = [
@@ -114,12 +121,28 @@ ROWS = [
     _row("socket", "gpt", "local", "bf16", "none", release="0.16"),
     _row("socket", "gpt", "local", "bf16", "fp8-ash", release="0.16"),
     _row("socket", "gpt", "local", "bf16", "fp8-ash", release="0.16", path="patch"),
+    # PP=2: MAPL at the stage boundary (TP=1), Megatron-LM's own 1F1B schedule
+    _row("socket", "gpt", "te", "bf16", "none", pipeline=2, repeats=3),
+    _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8", repeats=3),
+    _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8-vq"),
+    _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8", path="patch"),
+    _row("socket", "qwen", "te", "bf16", "none", pipeline=2),
+    _row("socket", "qwen", "te", "bf16", "none", pipeline=2, mapl="8"),
+    _row("nvlink", "gpt", "te", "bf16", "none", pipeline=2),
+    _row("nvlink", "gpt", "te", "bf16", "none", pipeline=2, mapl="8"),
+    _row("socket", "gpt", "local", "bf16", "none", pipeline=2, release="0.16"),
+    _row("socket", "gpt", "local", "bf16", "none", pipeline=2, mapl="8", release="0.16"),
 ]
 SUITES = {
     "smoke": ["socket-gpt-local-bf16-none", "socket-gpt-local-bf16-fp8-ash", "socket-gpt-te-bf16-none",
               "socket-gpt-te-bf16-fp8-ash"],
+    "mapl-smoke": ["socket-gpt-te-bf16-none-pp2", "socket-gpt-te-bf16-none-pp2-mapl8"],
     "all": [row.name for row in ROWS],
 }
+PARALLEL = {1: ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--micro-batch-size", "4",
+                "--global-batch-size", "4"],
+            2: ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "4", "--global-batch-size", "16"]}
+MAPL = {"none": [], "8": ["--mapl-ratio", "8"], "8-vq": ["--mapl-ratio", "8", "--mapl-vq-levels", "2"]}
 
 
 def _free_port() -> int:
@@ -140,8 +163,8 @@ def _patched_copy(checkout: str, work: str) -> str:
 def command(row: Row, checkout: str, port: int) -> List[str]:
     script = os.path.join(checkout, "pretrain_gpt.py")
     entry = ["-m", "megatron_taco.launch", script] if row.path == "launcher" else [script]
-    flags = [*MODELS[row.model], *COMMON, *IMPLS[row.impl], *PRECISIONS[row.precision],
-             "--train-iters", str(row.iters), "--taco-mode", row.taco]
+    flags = [*MODELS[row.model], *PARALLEL[row.pipeline], *COMMON, *IMPLS[row.impl], *PRECISIONS[row.precision],
+             "--train-iters", str(row.iters), "--taco-mode", row.taco, *MAPL[row.mapl]]
     return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
             *entry, *flags]
 
@@ -175,6 +198,8 @@ def parse_log(text: str) -> Dict:
         "final_loss": float(losses[-1]) if losses else None,
         "telemetry": last("taco total:"),
         "attached": last("megatron_taco: TACO"),
+        "mapl_attached": last("megatron_taco: MAPL"),
+        "mapl_telemetry": last("mapl total over"),
         "link_policy": last("--taco-min-bytes auto:"),
         "megatron": last("megatron_taco: megatron-core"),
     }
@@ -237,6 +262,8 @@ GOALS = [
     ("TE FP8 + TACO >= 1.2x over TE FP8 alone", "socket-gpt-te-fp8-fp8-ash", "socket-gpt-te-fp8-none", 1.2),
     ("NVLink, --taco-min-bytes auto (the probe turns compression off): >= 0.97x", "nvlink-gpt-local-bf16-fp8-ash",
      "nvlink-gpt-local-bf16-none", 0.97),
+    ("PP=2 sockets: MAPL 8x >= 1.5x over uncompressed PP=2", "socket-gpt-te-bf16-none-pp2-mapl8",
+     "socket-gpt-te-bf16-none-pp2", 1.5),
 ]
 
 
@@ -255,35 +282,42 @@ def goal_lines(rows: Dict[str, Dict]) -> List[str]:
 def write_report(results: List[Dict], path: str, meta: Dict) -> None:
     rows = summarise(results)
     out = [
-        "# Megatron-LM acceptance: real pretrain_gpt.py with TACO",
+        "# Megatron-LM acceptance: real pretrain_gpt.py with TACO and MAPL",
         "",
         f"Written by `benchmarks/megatron_lm_check.py` ({meta['command']}); project commit {meta['commit']}; "
         f"{meta['hardware']}; {meta['versions']}; {meta['date']}.",
         "",
-        "TP=2 + SP, 8 layers, hidden 2048, sequence 2048, micro-batch 4 (8192 tokens/iteration), `--mock-data`, "
+        "TP=2 + SP (micro-batch 4 = 8192 tokens/iteration) or, for the `pp2` rows, PP=2 with TP=1 (4 micro-batches "
+        "of 4 per iteration = 32768 tokens/iteration); 8 layers, hidden 2048, sequence 2048, `--mock-data`, "
         "20 iterations, bf16 parameters. ms/iter: median of Megatron-LM's logged per-interval times for iterations "
         f"{WARMUP_ITERS + 1}-20 (log interval 5), then the median over runs where runs > 1 (A-B-A order with the "
         "baseline). Ratio: tokens/s against the uncompressed run of the same implementation, precision, model, "
-        "release and link (its `none` row).",
+        "release, parallel layout and link (its `none` row).",
         "",
-        "| row | path | Megatron-LM | model | layers | precision | link | TACO | runs | ms/iter | ratio | "
-        "final loss | telemetry |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| row | path | Megatron-LM | model | layers | precision | link | parallel | TACO | MAPL | runs | ms/iter | "
+        "ratio | final loss | telemetry |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, entry in rows.items():
         row = entry["row"]
         failed = [r for r in entry["runs"] if r["returncode"] != 0]
         speed = f"{entry['ms_per_iter']:.1f}" if entry["ms_per_iter"] else "failed"
         runs = ", ".join(f"{r['ms_per_iter']:.0f}" if r["ms_per_iter"] else "x" for r in entry["runs"])
-        ratio = f"{entry['ratio']:.2f}x" if "ratio" in entry else ("-" if row["taco"] == "none" else "n/a")
+        pipeline, mapl = row.get("pipeline", 1), row.get("mapl", "none")
+        compressed = row["taco"] != "none" or mapl != "none"
+        ratio = f"{entry['ratio']:.2f}x" if "ratio" in entry else ("n/a" if compressed else "-")
         losses = [r["final_loss"] for r in entry["runs"] if r["final_loss"] is not None]
         telemetry = (entry["runs"][-1].get("telemetry") or "").replace("taco total: ", "")
         telemetry = telemetry.split(";")[0] if telemetry else "-"
+        if mapl != "none":
+            mapl_line = entry["runs"][-1].get("mapl_telemetry") or ""
+            telemetry = mapl_line.split(": ", 1)[-1].split(";")[0] if mapl_line else "-"
+        layout = "TP=2+SP" if pipeline == 1 else f"PP={pipeline}"
         out.append(f"| {name} | {row['path']} | {row['release']} | {row['model']} | {row['impl']} | "
-                   f"{row['precision']} | {row['link']} | {row['taco']} | {runs} | {speed} | {ratio} | "
-                   f"{losses[-1] if losses else '-'} | {telemetry} |")
+                   f"{row['precision']} | {row['link']} | {layout} | {row['taco']} | {mapl} | {runs} | {speed} | "
+                   f"{ratio} | {losses[-1] if losses else '-'} | {telemetry} |")
         for r in failed:
-            out.append(f"|  | ↳ run {r['attempt']} failed: `{r.get('error', '')[:200]}` |||||||||||")
+            out.append(f"|  | ↳ run {r['attempt']} failed: `{r.get('error', '')[:200]}` |||||||||||||")
     out += ["", "## Goals", ""] + goal_lines(rows)
     notes = os.path.join(os.path.dirname(path), "megatron_lm_notes.md")
     if os.path.exists(notes):  # what the numbers mean, written by hand after a run
@@ -292,7 +326,7 @@ def write_report(results: List[Dict], path: str, meta: Dict) -> None:
     if policies:
         out += ["", "Link policy decisions (`--taco-min-bytes auto`, printed by rank 0):", ""]
         out += [f"- `{p}`" for p in policies]
-    attached = sorted({r["attached"] for r in results if r.get("attached")})
+    attached = sorted({r[key] for r in results for key in ("attached", "mapl_attached") if r.get(key)})
     if attached:
         out += ["", "Start-up lines:", ""] + [f"- `{a}`" for a in attached]
     with open(path, "w") as f:

@@ -6,17 +6,17 @@
 The launcher puts the script's Megatron-LM checkout first on ``sys.path`` (before anything imports
 ``megatron``), then :func:`install_hooks` (also what ``patches/`` add to ``pretrain_gpt.py``):
 
-1. adds the ``--taco-*`` flags to Megatron-LM's argument parser (``megatron.training.arguments.parse_args``
-   chains them into its ``extra_args_provider``) and validates them when the arguments are parsed;
+1. adds the ``--taco-*`` and ``--mapl-*`` flags to Megatron-LM's argument parser
+   (``megatron.training.arguments.parse_args`` chains them into its ``extra_args_provider``) and validates
+   them when the arguments are parsed;
 2. lets megatron-core's torch norm (``WrappedTorchNorm``, used when apex is missing) build an SP-capable
    norm under ``--sequence-parallel`` instead of refusing;
 3. attaches the per-layer TACO settings to every GPTModel right after it is built, whatever spec
    function, builder or call pattern produced it: megatron-core's local linears and Transformer Engine's
    linears (``--transformer-impl local`` or ``transformer_engine``) send their TP traffic through TACO;
-4. prints TACO's telemetry with Megatron-LM's training log.
-
-MAPL needs its own pipeline schedule buffers and is not available here yet: ``--mapl-*`` flags fail at
-start-up; use the self-contained trainer (``examples/pretrain_gpt.py``).
+4. with ``--mapl-*``: attaches MAPL's boundary codecs to every GPTModel built and hooks Megatron-LM's batch,
+   optimizer, gradient and schedule steps (:mod:`megatron_taco.mapl.megatron_lm` says where and why);
+5. prints TACO's and MAPL's telemetry with Megatron-LM's training log.
 Supported: Megatron-LM core_r0.16.x through core_r0.19.x (see README).
 """
 
@@ -30,7 +30,9 @@ import sys
 import typing
 from typing import Callable, List, Optional
 
+from megatron_taco.config.mapl import add_mapl_args
 from megatron_taco.config.taco import TacoConfigError, add_taco_args, taco_config_from_args
+from megatron_taco.mapl import megatron_lm as mapl_hooks
 
 _STATE: dict = {"taco": None, "installed": False}
 
@@ -46,18 +48,9 @@ def _with_taco_args(extra_args_provider: Optional[Callable]) -> Callable:
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         if extra_args_provider is not None:
             parser = extra_args_provider(parser)
-        return add_taco_args(parser)
+        return add_mapl_args(add_taco_args(parser))
 
     return provider
-
-
-def _reject_mapl(argv: List[str]) -> None:
-    given = [a.split("=")[0] for a in argv if a.startswith("--mapl-")]
-    if given:
-        raise SystemExit(
-            f"error: {', '.join(given)}: MAPL is not available through the Megatron-LM launcher or patch yet (it "
-            "changes the pipeline schedule's buffers); use the self-contained trainer, examples/pretrain_gpt.py"
-        )
 
 
 def check_megatron_args(args: argparse.Namespace):
@@ -73,7 +66,7 @@ def check_megatron_args(args: argparse.Namespace):
 
 
 def _patch_parse_args() -> None:
-    """Chain the --taco-* flags into Megatron-LM's parser and validate them after parsing."""
+    """Chain the --taco-* and --mapl-* flags into Megatron-LM's parser and validate them after parsing."""
     try:
         from megatron.training import arguments as mlm_arguments
     except ImportError:  # megatron-core without Megatron-LM's training package
@@ -85,6 +78,7 @@ def _patch_parse_args() -> None:
         args = original_parse(_with_taco_args(extra_args_provider), ignore_unknown_args)
         try:
             _STATE["taco"] = check_megatron_args(args)
+            mapl_hooks.configure(args)
         except TacoConfigError as exc:
             raise SystemExit(f"error: {exc}") from None
         return args
@@ -116,7 +110,7 @@ def _patch_torch_norm() -> None:
 
 
 def _patch_model_build() -> None:
-    """Attach the TACO settings to every GPTModel right after it is built."""
+    """Attach the TACO settings and MAPL's boundary codecs to every GPTModel right after it is built."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from megatron_taco.megatron.attach import attach_taco
@@ -126,18 +120,24 @@ def _patch_model_build() -> None:
     @functools.wraps(original_init)
     def init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
-        cfg = _STATE["taco"]
-        if cfg is None or not cfg.enabled:
-            return
-        try:
-            attached = attach_taco([self], cfg)
-        except (TacoConfigError, ValueError) as exc:
-            raise SystemExit(f"error: {exc}") from None
         from megatron.core import parallel_state
 
-        if parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0:
-            print(f"megatron_taco: TACO {cfg.default.mode} ({getattr(self.config, 'transformer_impl', 'local')} linears, pipeline stage "
-                  f"{parallel_state.get_pipeline_model_parallel_rank()}): {attached.describe()}", flush=True)
+        cfg = _STATE["taco"]
+        first_of_stage = (parallel_state.get_tensor_model_parallel_rank() == 0
+                          and parallel_state.get_data_parallel_rank() == 0)
+        stage = f"pipeline stage {parallel_state.get_pipeline_model_parallel_rank()}"
+        try:
+            if cfg is not None and cfg.enabled:
+                attached = attach_taco([self], cfg)
+                if first_of_stage:
+                    print(f"megatron_taco: TACO {cfg.default.mode} ({getattr(self.config, 'transformer_impl', 'local')} "
+                          f"linears, {stage}): {attached.describe()}", flush=True)
+            mapl_hooks.attach(self)
+        except (TacoConfigError, ValueError) as exc:
+            raise SystemExit(f"error: {exc}") from None
+        if mapl_hooks.describe() and first_of_stage:
+            print(f"megatron_taco: MAPL ({stage}, chunk {getattr(self, 'vp_stage', None) or 0}): "
+                  f"{mapl_hooks.describe()}", flush=True)
 
     GPTModel.__init__ = init
 
@@ -153,7 +153,12 @@ def _patch_training_log() -> None:
     @functools.wraps(original_log)
     def training_log(*args, **kwargs):
         result = original_log(*args, **kwargs)
-        log_telemetry(kwargs["iteration"] if "iteration" in kwargs else args[3])
+        iteration = kwargs["iteration"] if "iteration" in kwargs else args[3]
+        log_telemetry(iteration)
+        writer = _tensorboard_writer()
+        for line in mapl_hooks.log_lines(iteration, writer):
+            if _rank0():
+                print(line, flush=True)
         return result
 
     mlm_training.training_log = training_log
@@ -172,7 +177,18 @@ def install_hooks() -> None:
     _patch_torch_norm()
     _patch_model_build()
     _patch_training_log()
+    mapl_hooks.install()
     _STATE["installed"] = True
+
+
+def _tensorboard_writer():
+    """Megatron-LM's TensorBoard writer (None when it has none)."""
+    try:
+        from megatron.training import get_tensorboard_writer
+
+        return get_tensorboard_writer()
+    except (ImportError, AssertionError):
+        return None
 
 
 def log_telemetry(iteration: int, writer=None) -> List[str]:
@@ -185,13 +201,7 @@ def log_telemetry(iteration: int, writer=None) -> List[str]:
     cfg = _STATE["taco"]
     if cfg is None or not cfg.enabled or not cfg.log_interval or iteration % cfg.log_interval:
         return []
-    if writer is None:
-        try:
-            from megatron.training import get_tensorboard_writer
-
-            writer = get_tensorboard_writer()
-        except (ImportError, AssertionError):
-            writer = None
+    writer = _tensorboard_writer() if writer is None else writer
     lines = TELEMETRY.format_lines()
     if _rank0():
         for line in lines:
@@ -221,7 +231,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     script, script_args = argv[0], argv[1:]
     if not os.path.isfile(script):
         raise SystemExit(f"error: training script {script!r} not found")
-    _reject_mapl(script_args)
     use_checkout_of(script)
     install_hooks()
     sys.argv = [script, *script_args]

@@ -58,7 +58,8 @@ def test_launcher_without_taco_flags_keeps_stock_behaviour(tmp_path):
         (["--taco-mode", "int4"], "--taco-mode: invalid value 'int4'"),
         (["--taco-mode", "fp8", "--tp-comm-overlap"], "--taco-mode fp8 with --tp-comm-overlap"),
         (["--taco-mode", "fp8", "--taco-layers", "2-9"], "--taco-layers: layer range 2-9 exceeds"),
-        (["--mapl-ratio", "8"], "MAPL is not available through the Megatron-LM launcher"),
+        (["--mapl-ratio", "8"], "--mapl-ratio/--mapl-rank need --pipeline-model-parallel-size > 1"),
+        (["--mapl-anchor-rank", "8"], "--mapl-anchor-rank given without --mapl-ratio"),
     ],
 )
 def test_launcher_rejects_bad_flags_at_start_up(tmp_path, flags, message):

@@ -88,7 +88,7 @@ def _nan_in_pipeline_activation(mapl):
     data = synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, cfg.micro_batch_size, seed=3)
     trainer.train_step(data)
     if dist.get_rank() == 0:  # stage 0's layer-2 fc1 input goes NaN: the boundary must pass it on
-        trainer.model.module.module.decoder.layers[1].mlp.linear_fc1.register_forward_pre_hook(
+        trainer.model.module.decoder.layers[1].mlp.linear_fc1.register_forward_pre_hook(
             lambda module, inputs: (inputs[0].index_fill(0, torch.tensor([3]), float("nan")),))
     trainer.train_step(data)
     return "no error"
@@ -131,7 +131,7 @@ def _fp16_skips(taco, inject_at, steps=8):
             output[0].register_hook(lambda grad: grad.index_fill(0, torch.tensor([1], device=grad.device),
                                                                   float("inf")))
 
-    trainer.model.module.module.decoder.layers[1].mlp.linear_fc2.register_forward_hook(overflow)
+    trainer.model.module.decoder.layers[1].mlp.linear_fc2.register_forward_hook(overflow)
     history = []
     for step in range(steps):
         state["step"] = step

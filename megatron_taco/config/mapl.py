@@ -59,6 +59,16 @@ class MaplConfig:
         """Whether every boundary has the same width (else P2P shapes are exchanged at run time)."""
         return self.ranks is None or len(set(self.ranks)) == 1
 
+    def anchors_positions(self, position_embedding: str) -> bool:
+        """Whether the anchors include positions for a model with this position embedding type (auto: where
+        it is ``learned_absolute``); raises for --mapl-position-anchors on without learned positions."""
+        learned = position_embedding == "learned_absolute"
+        if self.position_anchors and not learned:
+            raise MaplConfigError(f"--mapl-position-anchors on: the model's position embedding is "
+                                  f"{position_embedding!r}; position anchors stand in for a learned absolute position table in "
+                                  "the residual stream (use auto or off)")
+        return self.position_anchors is not False and learned and self.anchor_rank > 0
+
     def wire_rank(self, hidden_size: int, boundary: int = 0) -> int:
         """r of ``boundary`` for a model of hidden size d, checked against it."""
         if self.ranks is not None:

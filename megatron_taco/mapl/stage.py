@@ -1,6 +1,14 @@
-"""A pipeline stage with MAPL at its boundaries, and the process-group plumbing around it.
+"""MAPL's front door: pipeline stages with MAPL at their boundaries, and the process-group plumbing around them.
 
-:class:`MaplStage` wraps this stage's GPTModel: on a stage that receives, the
+One entry point for every way of use (the trainer, the Megatron-LM launcher and the patch):
+
+- :func:`attach_mapl` right after a GPTModel chunk is built: its boundary codecs, attached in place;
+- :func:`start_mapl` once all chunks exist, before the optimizer: anchors from the embedding, pair groups,
+  settings check; returns the :class:`MaplSync` that runs after the backward and after the optimizer step;
+- :func:`schedule_inputs` for every call of megatron-core's pipeline schedule: the models as the schedule
+  must see them (r-wide P2P) and, with VQ, the index-wire communicator.
+
+:class:`MaplStage` changes its GPTModel in place: on a stage that receives, the
 r-wide tensor handed over by the schedule (``set_input_tensor``) is rebuilt to
 d wide before the decoder; on a stage that sends, the decoder output is
 projected to r wide. Megatron's schedule sizes its P2P buffers from
@@ -19,24 +27,36 @@ for 4 x 2048 tokens on an H200, cheaper than sending them on any link
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
+from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_taco.config.mapl import MaplConfig
+from megatron_taco.mapl.anchor_init import start_anchors_from_embedding
 from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stiefel import StiefelMomentumSGD
-from megatron_taco.mapl.telemetry import MAPL_TELEMETRY
+from megatron_taco.mapl.telemetry import MAPL_TELEMETRY, SHAPE_MESSAGE_BYTES
+from megatron_taco.mapl.vq import ResidualVQ, packed_width
+from megatron_taco.mapl.wire import IndexWireCommunicator
 
 # Profiler range around MAPL's own work (projection, anchors, VQ, replica synchronisation): a profile
 # attributes the kernels launched inside it, and by the backward of ops recorded inside it, to the codec.
 CODEC_RANGE = "mapl_codec"
 
 
-class MaplStage(torch.nn.Module):
+class MaplStage:
+    """One GPTModel chunk with MAPL at its boundaries, attached in place (no wrapper module).
+
+    The codecs become submodules of the model (``mapl_recv_<g>`` / ``mapl_send_<g>`` for boundary g), so
+    the model's state dict, Megatron's sharded checkpoints, DDP and the optimizer see the anchors, U and
+    the codebooks like any other state; the model's ``forward`` and ``set_input_tensor`` are replaced on
+    the instance, so every wrapper Megatron puts around it (Float16Module, DDP) keeps working unchanged.
+    """
+
     def __init__(self, model: torch.nn.Module, recv: Optional[BoundaryCodec], send: Optional[BoundaryCodec]) -> None:
-        super().__init__()
         self.module = model
         self.recv = recv
         self.send = send
@@ -46,11 +66,18 @@ class MaplStage(torch.nn.Module):
         self.shape_message_bytes = 0
         # context anchors: (previous tokens n, the "before the start" row), alike at both boundaries of a stage
         self._context = next(((b.context, b.anchor_embedding.shape[0]) for b in self.boundaries() if b.context), None)
+        for side, codec in (("recv", recv), ("send", send)):
+            if codec is not None:
+                model.add_module(f"mapl_{side}_{codec.boundary}", codec)
+        self._model_forward = model.forward
+        self._model_set_input_tensor = model.set_input_tensor
+        model.forward = self.forward
+        model.set_input_tensor = self.set_input_tensor
 
     def set_input_tensor(self, input_tensor: Any) -> None:
         tensor = input_tensor[0] if isinstance(input_tensor, (list, tuple)) else input_tensor
         if self.recv is None:
-            self.module.set_input_tensor(tensor)
+            self._model_set_input_tensor(tensor)
         else:
             self._received = tensor
 
@@ -86,8 +113,8 @@ class MaplStage(torch.nn.Module):
                 hidden = self.recv.reconstruct(received, tokens, dtype or self._received.dtype, positions, previous)
             if training and self._received.requires_grad:
                 MAPL_TELEMETRY.watch_backward(self.recv.boundary, self._received, hidden, self.shape_message_bytes)
-            self.module.set_input_tensor(hidden)
-        output = self.module(input_ids, position_ids, attention_mask, **kwargs)
+            self._model_set_input_tensor(hidden)
+        output = self._model_forward(input_ids, position_ids, attention_mask, **kwargs)
         if self.send is not None:
             activation = output
             with torch.profiler.record_function(CODEC_RANGE):
@@ -262,3 +289,58 @@ class MaplSync:
             rows += boundary.vq.sync(self.groups[boundary.boundary], sender, target)
             MAPL_TELEMETRY.record_sync(boundary.boundary, nbytes=boundary.vq.sync_bytes)
         return rows
+
+
+def attach_mapl(model: torch.nn.Module, cfg: MaplConfig, seed: int,
+                codec_class: Type[BoundaryCodec] = BoundaryCodec) -> MaplStage:
+    """Attach the boundary codecs of one freshly built GPTModel chunk (receive side, send side).
+
+    Boundaries are numbered along the whole pipeline: chunk ``vp_stage`` of stage s sits at position
+    vp_stage * PP + s, and boundary g joins positions g and g + 1. Both replicas of a boundary start from
+    the same seed. Vocabulary, positions and hidden size are read from the model.
+    """
+    config = model.config
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    widths = cfg.wire_ranks(config.hidden_size, pp, config.virtual_pipeline_model_parallel_size)
+    position = (getattr(model, "vp_stage", None) or 0) * pp + parallel_state.get_pipeline_model_parallel_rank()
+    positions = model.max_sequence_length if cfg.anchors_positions(model.position_embedding_type) else 0
+    device = next(model.parameters()).device
+
+    def boundary(index: int) -> BoundaryCodec:
+        rank = widths[index]
+        return codec_class(
+            hidden_size=config.hidden_size, rank=rank, vocab_size=model.vocab_size, anchor_rank=cfg.anchor_rank,
+            seed=seed, boundary=index, trainable=not cfg.fixed_projection,
+            sequence_parallel=config.sequence_parallel, positions=positions, context=cfg.context_anchors,
+            vq=ResidualVQ(rank, cfg.vq_levels, cfg.vq_codes, cfg.vq_decay, cfg.vq_sync_rows, cfg.vq_sync_tolerance,
+                          seed=seed * 7919 + index) if cfg.vq_levels else None,
+        ).to(device)
+
+    stage = MaplStage(model, boundary(position - 1) if position > 0 else None,
+                      boundary(position) if position < len(widths) else None)
+    if not cfg.uniform:  # megatron-core sends each tensor's shape first: counted in the MAPL telemetry
+        stage.shape_message_bytes = SHAPE_MESSAGE_BYTES
+    return stage
+
+
+def start_mapl(stages: List[MaplStage], cfg: MaplConfig) -> "MaplSync":
+    """Once every chunk of every rank is built (a collective): anchors from the embedding (``--mapl-anchor-init
+    embedding``), the boundary pair groups and the check that both sides of each boundary agree."""
+    boundaries = [b for stage in stages for b in stage.boundaries()]
+    if cfg.anchor_init == "embedding" and cfg.anchor_rank > 0:
+        start_anchors_from_embedding([stage.module for stage in stages], boundaries)
+    return MaplSync(stages, lr=cfg.lr, momentum=cfg.momentum)
+
+
+def schedule_inputs(models: List[torch.nn.Module], cfg: MaplConfig) -> Tuple[List["ScheduleView"], Dict[str, Any]]:
+    """The models as megatron-core's pipeline schedule must see them (P2P buffers of the wire width) and the
+    extra schedule arguments (with VQ: the communicator that puts the indices on the forward wire)."""
+    config = models[0].config
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    widths = cfg.wire_ranks(config.hidden_size, pp, config.virtual_pipeline_model_parallel_size)
+    views = [ScheduleView(m, max(widths), variable_shapes=not cfg.uniform) for m in models]
+    if not cfg.vq_levels:
+        return views, {}
+    communicator = IndexWireCommunicator(parallel_state.get_pipeline_model_parallel_group(), views[0].config,
+                                         packed_width(cfg.vq_levels, cfg.vq_codes, config.pipeline_dtype))
+    return views, dict(p2p_communicator=communicator, pg_collection=ProcessGroupCollection.use_mpu_process_groups())

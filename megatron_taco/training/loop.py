@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from functools import partial
-from typing import Any, Callable, Dict, Iterator, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -24,20 +24,15 @@ from megatron.core.distributed import (
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_taco.megatron.cpu_runtime import cpu_config_overrides, enable_cpu_runtime
-from megatron_taco.config.mapl import MaplConfig, MaplConfigError
+from megatron_taco.config.mapl import MaplConfig
 from megatron_taco.config.taco import TacoConfig
-from megatron_taco.mapl.anchor_init import start_anchors_from_embedding
 from megatron_taco.mapl.boundary import BoundaryCodec
-from megatron_taco.mapl.stage import MaplStage, MaplSync, ScheduleView
-from megatron_taco.mapl.telemetry import SHAPE_MESSAGE_BYTES
-from megatron_taco.mapl.vq import ResidualVQ, packed_width
-from megatron_taco.mapl.wire import IndexWireCommunicator
+from megatron_taco.mapl.stage import attach_mapl, schedule_inputs, start_mapl
 from megatron_taco.megatron.attach import attach_taco
 from megatron_taco.megatron.specs import LOCAL_SPEC_CONFIG
 from megatron_taco.megatron.telemetry import TELEMETRY
@@ -95,10 +90,7 @@ class TrainConfig:
                                  f"--pipeline-model-parallel-size {self.pipeline_parallel}")
         if self.mapl is not None:
             self.mapl_widths  # validates the MAPL settings against the layout
-            if self.mapl.position_anchors and self.shape.position_embedding != "learned_absolute":
-                raise MaplConfigError(f"--mapl-position-anchors on: the model's position embedding is "
-                                      f"{self.shape.position_embedding!r}; position anchors stand in for a learned "
-                                      "absolute position table in the residual stream")
+            self.mapl_position_anchors  # and against the model's position embedding
 
     def _check_lr_schedule(self) -> None:
         if self.lr_decay_style not in LR_DECAY_STYLES:
@@ -130,8 +122,7 @@ class TrainConfig:
     @property
     def mapl_position_anchors(self) -> bool:
         """Whether MAPL's anchors include positions (auto: where the model has learned absolute positions)."""
-        learned = self.shape.position_embedding == "learned_absolute"
-        return self.mapl.position_anchors is not False and learned and self.mapl.anchor_rank > 0
+        return self.mapl.anchors_positions(self.shape.position_embedding)
 
     @property
     def mapl_widths(self) -> List[int]:
@@ -195,11 +186,9 @@ class Trainer:
         )
         chunks = [build_gpt_model(cfg.shape, self.config, layer_spec, seed=cfg.seed, vp_stage=vp).to(self.device)
                   for vp in (range(cfg.virtual_pipeline) if cfg.virtual_pipeline else [None])]
-        self._mapl_stages: list = []
-        if cfg.mapl is not None:
-            chunks = [self._wrap_mapl(chunk, vp or 0) for vp, chunk in enumerate(chunks)]
-            if cfg.mapl.anchor_init == "embedding" and cfg.mapl.anchor_rank > 0:  # before half casts and optimizer
-                start_anchors_from_embedding([stage.module for stage in self._mapl_stages], self.mapl_boundaries)
+        self._mapl_stages = ([attach_mapl(chunk, cfg.mapl, cfg.seed, self.boundary_codec) for chunk in chunks]
+                             if cfg.mapl is not None else [])
+        self.mapl_boundaries = [b for stage in self._mapl_stages for b in stage.boundaries()]
         self.taco_layers = attach_taco(chunks, cfg.taco).layers if cfg.taco is not None else {}
         if cfg.taco is not None:
             TELEMETRY.error_sample_interval = cfg.taco.error_sample_interval
@@ -213,6 +202,8 @@ class Trainer:
         )
         self.models = [DistributedDataParallel(self.config, ddp_config, chunk) for chunk in chunks]
         self.model = self.models[0]
+        # MAPL's anchors start before the optimizer copies the parameters into its fp32 main parameters
+        self.mapl_sync = start_mapl(self._mapl_stages, cfg.mapl) if cfg.mapl is not None else None
         self.optimizer = get_megatron_optimizer(
             OptimizerConfig(
                 optimizer="adam",
@@ -242,57 +233,11 @@ class Trainer:
         self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.step_count = 0
-        self.mapl_sync = None
-        self.schedule_models = self.models
-        self.schedule_comm: Dict[str, Any] = {}  # megatron-core's own P2P unless MAPL VQ needs the index wire
-        if cfg.mapl is not None:
-            self.mapl_sync = MaplSync(self._mapl_stages, lr=cfg.mapl.lr, momentum=cfg.mapl.momentum)
-            self.schedule_models = [ScheduleView(m, max(cfg.mapl_widths), variable_shapes=not cfg.mapl.uniform)
-                                    for m in self.models]
-            if not cfg.mapl.uniform:  # megatron-core sends each tensor's shape first: counted in the MAPL telemetry
-                for stage in self._mapl_stages:
-                    stage.shape_message_bytes = SHAPE_MESSAGE_BYTES
-            if cfg.mapl.vq_levels:
-                self.schedule_comm = dict(
-                    p2p_communicator=IndexWireCommunicator(
-                        parallel_state.get_pipeline_model_parallel_group(), self.schedule_models[0].config,
-                        packed_width(cfg.mapl.vq_levels, cfg.mapl.vq_codes, self.config.pipeline_dtype)),
-                    pg_collection=ProcessGroupCollection.use_mpu_process_groups(),
-                )
+        # megatron-core's own P2P and buffers unless MAPL needs r-wide ones (and, with VQ, the index wire)
+        self.schedule_models, self.schedule_comm = (schedule_inputs(self.models, cfg.mapl) if cfg.mapl is not None
+                                                    else (self.models, {}))
 
-    mapl_boundaries: list = []
     boundary_codec = BoundaryCodec  # the codec class at every MAPL boundary (a study may put a variant here)
-
-    def _wrap_mapl(self, module: torch.nn.Module, vp_stage: int) -> torch.nn.Module:
-        """Put this chunk's boundary codecs (receive side, send side) around its GPTModel.
-
-        Boundaries are numbered along the whole pipeline: chunk ``vp_stage`` of stage s sits at
-        position vp_stage * PP + s, and boundary g joins positions g and g + 1.
-        """
-        cfg, mapl = self.cfg, self.cfg.mapl
-        pp = cfg.pipeline_parallel
-        position = vp_stage * pp + parallel_state.get_pipeline_model_parallel_rank()
-        last = pp * (cfg.virtual_pipeline or 1) - 1
-
-        def boundary(index: int) -> BoundaryCodec:
-            rank = cfg.mapl_widths[index]
-            return self.boundary_codec(
-                hidden_size=cfg.shape.hidden_size, rank=rank,
-                vocab_size=cfg.shape.padded_vocab_size(cfg.tensor_parallel), anchor_rank=mapl.anchor_rank,
-                seed=cfg.seed, boundary=index, trainable=not mapl.fixed_projection,
-                sequence_parallel=cfg.sequence_parallel,
-                positions=cfg.shape.seq_length if cfg.mapl_position_anchors else 0, context=mapl.context_anchors,
-                vq=ResidualVQ(rank, mapl.vq_levels, mapl.vq_codes,
-                              mapl.vq_decay, mapl.vq_sync_rows, mapl.vq_sync_tolerance,
-                              seed=cfg.seed * 7919 + index) if mapl.vq_levels else None,
-            ).to(self.device)
-
-        recv = boundary(position - 1) if position > 0 else None
-        send = boundary(position) if position < last else None
-        stage = MaplStage(module, recv, send)
-        self._mapl_stages.append(stage)
-        self.mapl_boundaries = self.mapl_boundaries + stage.boundaries()
-        return stage
 
     @property
     def data_parallel_rank(self) -> int:

@@ -1,0 +1,215 @@
+"""MAPL inside Megatron-LM's own training loop (``megatron.training``): what the launcher and the patch install.
+
+MAPL's front door (:mod:`megatron_taco.mapl.stage`) is the same as in the trainer; this module finds the
+places in Megatron-LM where each of its steps belongs:
+
+- the model: every GPTModel built gets its boundary codecs (:func:`attach`, from the launcher's model-build hook);
+- the batch: the anchors need the token ids (and positions) on every stage; Megatron-LM gives them to the first
+  stage only. ``get_batch_on_this_tp_rank`` is asked to hand every TP rank the whole batch (its
+  ``mtp_on_this_rank`` path), and ``is_first_or_last_pipeline_stage`` answers yes on middle stages (PP > 2,
+  interleaved chunks), so they read the batch and build the dataset too;
+- the optimizer: when Megatron-LM builds it (``get_megatron_optimizer``) every chunk exists: :func:`start_mapl`
+  runs first (anchors from the embedding, pair groups, settings check), and every ``optimizer.step()`` is
+  followed by U's manifold step (skipped with the step) and the VQ codebook step;
+- gradients: ``finalize_model_grads`` is followed by MAPL's sums over TP, DP and the boundary pair;
+- the schedule: the function ``get_forward_backward_func`` returns is called with :func:`schedule_inputs`
+  (r-wide P2P buffers; with VQ the index wire);
+- the log: MAPL's traffic lines every ``--log-interval`` iterations (stdout and TensorBoard).
+
+Checkpoints: the codecs are submodules of the GPTModel (``mapl_send_<g>`` / ``mapl_recv_<g>``), so U, the
+anchors and the codebooks are saved and loaded with the model in every ``--ckpt-format``; the momentum of
+U's optimizer is not (it restarts from zero after ``--load``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import inspect
+import sys
+from typing import Any, Callable, List, Optional
+
+from megatron_taco.config.mapl import MaplConfig, MaplConfigError, mapl_config_from_args
+
+_STATE: dict = {"cfg": None, "stages": [], "sync": None}
+
+
+def configure(args: argparse.Namespace) -> Optional[MaplConfig]:
+    """MAPL's config from Megatron-LM's parsed ``args`` (None: off); raises MaplConfigError naming the flag."""
+    cfg = mapl_config_from_args(args)
+    _STATE["cfg"] = cfg
+    if cfg is None:
+        return None
+    cfg.wire_ranks(args.hidden_size, args.pipeline_model_parallel_size,
+                   getattr(args, "virtual_pipeline_model_parallel_size", None))
+    cfg.anchors_positions(args.position_embedding_type)
+    if getattr(args, "context_parallel_size", 1) > 1:
+        raise MaplConfigError(f"--mapl-* with --context-parallel-size {args.context_parallel_size}: MAPL's anchors "
+                              "need every token of the sequence on the stage; run without context parallelism")
+    if getattr(args, "mtp_num_layers", None):
+        raise MaplConfigError("--mapl-* with --mtp-num-layers: multi-token prediction layers read the last "
+                              "stage's hidden states in ways MAPL does not cover; drop one")
+    return cfg
+
+
+def attach(model: Any) -> None:
+    """Attach MAPL's codecs to one freshly built GPTModel chunk (no-op when MAPL is off)."""
+    cfg = _STATE["cfg"]
+    if cfg is None:
+        return
+    from megatron.training import get_args
+
+    from megatron_taco.mapl.stage import attach_mapl
+
+    _STATE["stages"].append(attach_mapl(model, cfg, seed=get_args().seed))
+
+
+def describe() -> str:
+    """This rank's boundaries in words, for the start-up line."""
+    parts = []
+    for stage in _STATE["stages"]:
+        for side, codec in (("receives", stage.recv), ("sends", stage.send)):
+            if codec is not None:
+                vq = f", VQ {codec.vq.levels} x {codec.vq.codes} codes" if codec.vq is not None else ""
+                parts.append(f"{side} boundary {codec.boundary} at width {codec.rank} of {codec.hidden_size} "
+                             f"({codec.hidden_size / codec.rank:g}x{vq})")
+    return "; ".join(parts)
+
+
+def _replace_everywhere(original: Callable, replacement: Callable) -> None:
+    """Put ``replacement`` in place of ``original`` in every loaded megatron module that holds it by name
+    (Megatron-LM imports these helpers by name into several modules, and the training script imports them
+    after the hooks are in place)."""
+    for name, module in list(sys.modules.items()):
+        if name == "megatron" or name.startswith("megatron."):
+            for attribute, value in list(vars(module).items()):
+                if value is original:
+                    setattr(module, attribute, replacement)
+
+
+def _patch_batch() -> None:
+    import megatron.core.utils as core_utils
+    import megatron.training.utils as training_utils
+
+    # its home: megatron.training.utils in 0.16, megatron.core.utils in 0.19
+    get_batch = getattr(training_utils, "get_batch_on_this_tp_rank", None) or core_utils.get_batch_on_this_tp_rank
+    signature = inspect.signature(get_batch)
+
+    @functools.wraps(get_batch)
+    def get_batch_on_this_tp_rank(*args, **kwargs):
+        if _STATE["cfg"] is not None:  # every TP rank of every stage gets tokens and positions
+            bound = signature.bind(*args, **kwargs)
+            bound.arguments["mtp_on_this_rank"] = True
+            args, kwargs = bound.args, bound.kwargs
+        return get_batch(*args, **kwargs)
+
+    first_or_last = training_utils.is_first_or_last_pipeline_stage
+
+    @functools.wraps(first_or_last)
+    def is_first_or_last_pipeline_stage(*args, **kwargs):
+        return _STATE["cfg"] is not None or first_or_last(*args, **kwargs)
+
+    _replace_everywhere(get_batch, get_batch_on_this_tp_rank)
+    _replace_everywhere(first_or_last, is_first_or_last_pipeline_stage)
+
+
+def _follow_steps(optimizer: Any, sync: Any, base_lr: float) -> None:
+    """After every ``optimizer.step()``: U's manifold step (skipped with the step) and the codebook step."""
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def step_with_mapl(*args, **kwargs):
+        loss_scale = optimizer.get_loss_scale().clone()  # U's gradient carries this backward's loss scale
+        lr = optimizer.param_groups[0]["lr"]
+        updated, grad_norm, zeros = step(*args, **kwargs)
+        if updated:
+            sync.manifold_step(lr_scale=lr / base_lr, loss_scale=loss_scale)
+        else:
+            sync.drop_grads()
+        sync.codebook_step()
+        return updated, grad_norm, zeros
+
+    optimizer.step = step_with_mapl
+
+
+def _patch_training() -> None:
+    from megatron.training import training as mlm_training
+
+    from megatron_taco.mapl.stage import schedule_inputs, start_mapl
+
+    build_optimizer = mlm_training.get_megatron_optimizer
+
+    @functools.wraps(build_optimizer)
+    def get_megatron_optimizer(*args, **kwargs):
+        cfg = _STATE["cfg"]
+        if cfg is not None and _STATE["sync"] is None:  # anchors start before the optimizer copies parameters
+            _STATE["sync"] = start_mapl(_STATE["stages"], cfg)
+        optimizer = build_optimizer(*args, **kwargs)
+        if _STATE["sync"] is not None:
+            from megatron.training import get_args
+
+            _follow_steps(optimizer, _STATE["sync"], get_args().lr)
+        return optimizer
+
+    finalize = mlm_training.finalize_model_grads
+
+    @functools.wraps(finalize)
+    def finalize_model_grads(*args, **kwargs):
+        result = finalize(*args, **kwargs)
+        if _STATE["sync"] is not None:
+            _STATE["sync"].finalize_grads()
+        return result
+
+    get_schedule = mlm_training.get_forward_backward_func
+
+    @functools.wraps(get_schedule)
+    def get_forward_backward_func(*args, **kwargs):
+        schedule = get_schedule(*args, **kwargs)
+        cfg = _STATE["cfg"]
+        if cfg is None:
+            return schedule
+
+        @functools.wraps(schedule)
+        def forward_backward(*schedule_args, model, **schedule_kwargs):
+            chunks = model if isinstance(model, list) else [model]
+            views, extra = schedule_inputs(chunks, cfg)
+            return schedule(*schedule_args, model=views if isinstance(model, list) else views[0],
+                            **{**schedule_kwargs, **extra})
+
+        return forward_backward
+
+    _replace_everywhere(build_optimizer, get_megatron_optimizer)
+    _replace_everywhere(finalize, finalize_model_grads)
+    _replace_everywhere(get_schedule, get_forward_backward_func)
+
+
+def install() -> None:
+    """Patch Megatron-LM's training package (once, from the launcher's ``install_hooks``)."""
+    try:
+        import megatron.training.training  # noqa: F401
+    except ImportError:  # megatron-core without Megatron-LM's training package
+        return
+    _patch_batch()
+    _patch_training()
+
+
+def log_lines(iteration: int, writer=None) -> List[str]:
+    """MAPL's traffic of the last ``--log-interval`` iterations (a collective: every rank calls it)."""
+    cfg = _STATE["cfg"]
+    from megatron.training import get_args
+
+    args = get_args()
+    if cfg is None or not args.log_interval or iteration % args.log_interval:
+        return []
+    import torch
+
+    from megatron_taco.mapl import telemetry
+
+    pp = args.pipeline_model_parallel_size
+    boundaries = pp * (args.virtual_pipeline_model_parallel_size or 1) - 1
+    traffic = telemetry.MAPL_TELEMETRY.summed(boundaries, torch.device("cuda", torch.cuda.current_device()))
+    lines = telemetry.format_lines(traffic, args.log_interval, pp)
+    if writer is not None:
+        telemetry.write_tensorboard(writer, iteration, traffic, args.log_interval)
+    telemetry.MAPL_TELEMETRY.reset()
+    return lines
