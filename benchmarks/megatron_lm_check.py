@@ -76,7 +76,7 @@ class Row:
     repeats: int = 1
     iters: int = 20
     pipeline: int = 1  # 1: TP=2 + SP; 2: PP=2 (TP=1, 4 micro-batches per step)
-    mapl: str = "none"  # none | 8 (--mapl-ratio 8) | 8-vq (and --mapl-vq-levels 2)
+    mapl: str = "none"  # none | 1 (--mapl-ratio 1: lossless, checks the plumbing) | 8 | 8-vq (--mapl-vq-levels 2)
 
     @property
     def baseline(self) -> Optional[str]:
@@ -123,6 +123,7 @@ ROWS = [
     _row("socket", "gpt", "local", "bf16", "fp8-ash", release="0.16", path="patch"),
     # PP=2: MAPL at the stage boundary (TP=1), Megatron-LM's own 1F1B schedule
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, repeats=3),
+    _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="1"),  # r = d: the loss must match uncompressed
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8", repeats=3),
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8-vq"),
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8", path="patch"),
@@ -142,7 +143,7 @@ SUITES = {
 PARALLEL = {1: ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--micro-batch-size", "4",
                 "--global-batch-size", "4"],
             2: ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "4", "--global-batch-size", "16"]}
-MAPL = {"none": [], "8": ["--mapl-ratio", "8"], "8-vq": ["--mapl-ratio", "8", "--mapl-vq-levels", "2"]}
+MAPL = {"none": [], "1": ["--mapl-ratio", "1"], "8": ["--mapl-ratio", "8"], "8-vq": ["--mapl-ratio", "8", "--mapl-vq-levels", "2"]}
 
 
 def _free_port() -> int:
