@@ -76,6 +76,7 @@ class Row:
     repeats: int = 1
     iters: int = 20
     pipeline: int = 1  # 1: TP=2 + SP; 2: PP=2 (TP=1, 4 micro-batches per step)
+    resume: bool = False  # stop at half the iterations with --save, then --load and finish (MAPL state restored?)
     mapl: str = "none"  # none | 1 (--mapl-ratio 1: lossless, checks the plumbing) | 8 | 8-vq (--mapl-vq-levels 2)
 
     @property
@@ -86,14 +87,16 @@ class Row:
                      release=self.release)
 
 
-def _name(link, model, impl, precision, taco, pipeline=1, mapl="none", path="launcher", release="0.19") -> str:
+def _name(link, model, impl, precision, taco, pipeline=1, mapl="none", resume=False, path="launcher",
+          release="0.19") -> str:
     return (f"{link}-{model}-{impl}-{precision}-{taco}" + (f"-pp{pipeline}" if pipeline > 1 else "")
-            + (f"-mapl{mapl}" if mapl != "none" else "") + ("-patch" if path == "patch" else "")
+            + (f"-mapl{mapl}" if mapl != "none" else "") + ("-resume" if resume else "")
+            + ("-patch" if path == "patch" else "")
             + ("-016" if release == "0.16" else ""))
 
 
 def _row(link, model, impl, precision, taco, **kw) -> Row:
-    naming = {k: v for k, v in kw.items() if k in ("pipeline", "mapl", "path", "release")}
+    naming = {k: v for k, v in kw.items() if k in ("pipeline", "mapl", "resume", "path", "release")}
     return Row(_name(link, model, impl, precision, taco, **naming), model, impl, precision, taco, link, **kw)
 
 
@@ -126,6 +129,8 @@ ROWS = [
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="1"),  # r = d: the loss must match uncompressed
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8", repeats=3),
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8-vq"),
+    # 10 iterations, save (torch_dist), load, 10 more: the loss should follow the uninterrupted mapl8 row
+    _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8", resume=True),
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8", path="patch"),
     _row("socket", "qwen", "te", "bf16", "none", pipeline=2),
     _row("socket", "qwen", "te", "bf16", "none", pipeline=2, mapl="8"),
@@ -215,8 +220,20 @@ def run_row(row: Row, checkouts: Dict[str, str], work: str, log_dir: str, attemp
            "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
     cmd = command(row, checkout, port)
     start = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    log = proc.stdout + proc.stderr
+    if row.resume:  # the first half saves, the second loads (a fresh port each)
+        save = os.path.join(work, f"{row.name}.{attempt}.ckpt")
+        first = list(cmd)
+        first[first.index("--train-iters") + 1] = str(row.iters // 2)
+        proc = subprocess.run([*first, "--save", save, "--save-interval", str(row.iters // 2)], env=env,
+                              capture_output=True, text=True, timeout=600)
+        log = proc.stdout + proc.stderr
+        if proc.returncode == 0:
+            cmd = [*command(row, checkout, _free_port()), "--load", save]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+            log += proc.stdout + proc.stderr
+    else:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+        log = proc.stdout + proc.stderr
     with open(os.path.join(log_dir, f"{row.name}.{attempt}.log"), "w") as f:
         f.write(" ".join(cmd) + "\n" + log)
     result = {"row": dataclasses.asdict(row), "attempt": attempt, "returncode": proc.returncode,

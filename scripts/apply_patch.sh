@@ -21,7 +21,7 @@ fi
 for patch_file in "$here"/patches/*.patch; do
   if patch --dry-run --silent -p1 -d "$dir" < "$patch_file" >/dev/null 2>&1; then
     patch --silent -p1 -d "$dir" < "$patch_file"
-    echo "patched $script with $(basename "$patch_file") (Megatron-LM $release); run it as usual with --taco-* flags"
+    echo "patched $script with $(basename "$patch_file") (Megatron-LM $release); run it as usual with --taco-* and --mapl-* flags"
     exit 0
   fi
 done
