@@ -77,7 +77,7 @@ class Row:
     iters: int = 20
     pipeline: int = 1  # 1: TP=2 + SP; 2: PP=2 (TP=1, 4 micro-batches per step)
     resume: bool = False  # stop at half the iterations with --save, then --load and finish (MAPL state restored?)
-    mapl: str = "none"  # none | 1 (--mapl-ratio 1: lossless, checks the plumbing) | 8 | 8-vq (--mapl-vq-levels 2)
+    mapl: str = "none"  # none | 1 (--mapl-ratio 1: lossless, checks the plumbing) | 8 | 8-vq (--mapl-vq-levels 2) | 8-fixed
 
     @property
     def baseline(self) -> Optional[str]:
@@ -129,6 +129,8 @@ ROWS = [
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="1"),  # r = d: the loss must match uncompressed
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8", repeats=3),
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8-vq"),
+    # diagnostic: a fixed U and no anchors have no replica sync (where does the time go?)
+    _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8-fixed"),
     # 10 iterations, save (torch_dist), load, 10 more: the loss should follow the uninterrupted mapl8 row
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8", resume=True),
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8", path="patch"),
@@ -148,7 +150,8 @@ SUITES = {
 PARALLEL = {1: ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--micro-batch-size", "4",
                 "--global-batch-size", "4"],
             2: ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "4", "--global-batch-size", "16"]}
-MAPL = {"none": [], "1": ["--mapl-ratio", "1"], "8": ["--mapl-ratio", "8"], "8-vq": ["--mapl-ratio", "8", "--mapl-vq-levels", "2"]}
+MAPL = {"none": [], "1": ["--mapl-ratio", "1"], "8": ["--mapl-ratio", "8"], "8-vq": ["--mapl-ratio", "8", "--mapl-vq-levels", "2"],
+        "8-fixed": ["--mapl-ratio", "8", "--mapl-fixed-projection"]}
 
 
 def _free_port() -> int:
@@ -222,10 +225,9 @@ def run_row(row: Row, checkouts: Dict[str, str], work: str, log_dir: str, attemp
     start = time.time()
     if row.resume:  # the first half saves, the second loads (a fresh port each)
         save = os.path.join(work, f"{row.name}.{attempt}.ckpt")
-        first = list(cmd)
-        first[first.index("--train-iters") + 1] = str(row.iters // 2)
-        proc = subprocess.run([*first, "--save", save, "--save-interval", str(row.iters // 2)], env=env,
-                              capture_output=True, text=True, timeout=600)
+        proc = subprocess.run([*cmd, "--save", save, "--save-interval", str(row.iters // 2),
+                               "--exit-interval", str(row.iters // 2)], env=env, capture_output=True, text=True,
+                              timeout=600)
         log = proc.stdout + proc.stderr
         if proc.returncode == 0:
             cmd = [*command(row, checkout, _free_port()), "--load", save]
