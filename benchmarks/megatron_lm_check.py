@@ -322,10 +322,13 @@ def write_report(results: List[Dict], path: str, meta: Dict) -> None:
         row = entry["row"]
         failed = [r for r in entry["runs"] if r["returncode"] != 0]
         speed = f"{entry['ms_per_iter']:.1f}" if entry["ms_per_iter"] else "failed"
+        if row.get("resume"):  # two runs with a checkpoint between: the loss is the point, not the speed
+            speed = "-" if len(failed) < len(entry["runs"]) else "failed"
         runs = ", ".join(f"{r['ms_per_iter']:.0f}" if r["ms_per_iter"] else "x" for r in entry["runs"])
         pipeline, mapl = row.get("pipeline", 1), row.get("mapl", "none")
         compressed = row["taco"] != "none" or mapl != "none"
-        ratio = f"{entry['ratio']:.2f}x" if "ratio" in entry else ("n/a" if compressed else "-")
+        ratio = f"{entry['ratio']:.2f}x" if "ratio" in entry and not row.get("resume") else (
+            "n/a" if compressed and not row.get("resume") else "-")
         losses = [r["final_loss"] for r in entry["runs"] if r["final_loss"] is not None]
         telemetry = (entry["runs"][-1].get("telemetry") or "").replace("taco total: ", "")
         telemetry = telemetry.split(";")[0] if telemetry else "-"
