@@ -1,0 +1,140 @@
+"""MAPL inside Megatron-LM's own training functions (CPU, gloo, PP=2), through the launcher's hooks.
+
+Each rank does what Megatron-LM's pretrain_gpt.py and ``megatron.training.training`` do, with the functions
+those modules hold after the hooks: Megatron-LM's parser, ``GPTModelBuilder``, megatron-core's DDP,
+``training.get_megatron_optimizer``, ``core.utils.get_batch_on_this_tp_rank``, ``training.finalize_model_grads``
+and ``training.get_forward_backward_func`` (the 1F1B schedule), then ``optimizer.step()``.
+"""
+
+import pytest
+import torch
+
+import megatron_taco.launch  # noqa: F401  (its Python 3.11 shim lets megatron.training import)
+from megatron_taco.testing.distributed import run_distributed
+
+try:
+    import megatron.training.models.gpt  # noqa: F401
+except ImportError:
+    pytest.skip("needs Megatron-LM's training package with its model builder (the megatron-core 0.19 wheel)",
+                allow_module_level=True)
+
+SEQ, MICRO_BATCH, MICRO_BATCHES, VOCAB = 16, 2, 2, 128
+FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", str(SEQ),
+         "--max-position-embeddings", str(SEQ), "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
+         "--no-persist-layer-norm", "--no-masked-softmax-fusion", "--no-rope-fusion", "--no-bias-gelu-fusion",
+         "--no-bias-dropout-fusion", "--pipeline-model-parallel-size", "2", "--micro-batch-size", str(MICRO_BATCH),
+         "--global-batch-size", str(MICRO_BATCH * MICRO_BATCHES), "--lr", "1e-2", "--seed", "1234",
+         "--attention-dropout", "0", "--hidden-dropout", "0", "--vocab-size", str(VOCAB)]
+
+
+def _megatron_lm_steps(mapl_flags, steps):
+    import sys
+
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from megatron_taco.launch import install_hooks
+    from megatron_taco.megatron.cpu_runtime import cpu_config_overrides, enable_cpu_runtime
+    from megatron_taco.megatron.specs import LOCAL_SPEC_CONFIG
+    from megatron_taco.testing.p2p import recording_p2p
+
+    install_hooks()  # what the launcher and the patch do before the training script imports anything
+    import megatron.core.utils as core_utils
+    from megatron.training import arguments, global_vars, training
+    from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
+
+    sys.argv = ["pretrain_gpt.py", *FLAGS, *mapl_flags]
+    args = arguments.parse_args()
+    args.params_dtype = torch.float32  # what Megatron-LM's validate_args sets without --bf16 / --fp16, and
+    args.overlap_p2p_comm = False  # for the non-interleaved schedule
+    global_vars.set_args(args)
+    enable_cpu_runtime()
+    parallel_state.initialize_model_parallel(1, 2)
+    model_parallel_cuda_manual_seed(args.seed)
+    torch.manual_seed(args.seed)
+    config = arguments.core_transformer_config_from_args(args)
+    for key, value in {**LOCAL_SPEC_CONFIG, **cpu_config_overrides()}.items():
+        setattr(config, key, value)
+    first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
+    model = GPTModelBuilder(GPTModelConfig(transformer=config, vocab_size=VOCAB, seq_length=SEQ)).build_model(
+        ProcessGroupCollection.use_mpu_process_groups(), pre_process=first, post_process=last)
+    chunks = [DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)]
+    optimizer = training.get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, clip_grad=1.0), chunks)
+    config.finalize_model_grads_func = training.finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = chunks[0].no_sync
+    schedule = training.get_forward_backward_func()
+    codecs = [m for name, m in model.named_children() if name.startswith("mapl_")]
+
+    gen = torch.Generator().manual_seed(7)  # every stage draws the same micro-batches, like Megatron-LM's loaders;
+    # the same ones every step, so the loss must fall
+    batches = [torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=gen) for _ in range(MICRO_BATCHES)] * steps
+    stream = iter(batches)
+    tokens_seen = []
+
+    def forward_step(data_iterator, model):
+        sample = next(data_iterator)
+        batch = {"tokens": sample[:, :-1], "labels": sample[:, 1:], "loss_mask": torch.ones(MICRO_BATCH, SEQ),
+                 "position_ids": torch.arange(SEQ).expand(MICRO_BATCH, SEQ), "attention_mask": None}
+        batch = core_utils.get_batch_on_this_tp_rank(  # as pretrain_gpt.py calls it on TP rank 0
+            batch, has_cu_seqlens=False, is_hybrid_cp=False, create_attention_mask_in_dataloader=False,
+            broadcast_src_rank=parallel_state.get_tensor_model_parallel_src_rank(),
+            broadcast_group=parallel_state.get_tensor_model_parallel_group(), cp_size=1, tp_rank=0,
+            micro_batch_size=MICRO_BATCH, seq_length=SEQ, mtp_on_this_rank=False, pipeline_model_parallel_size=2,
+            is_pipeline_first_stage=first, is_pipeline_last_stage=last)
+        tokens_seen.append(batch["tokens"] is not None)
+        output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+
+        def loss(output_tensor):
+            value = (output_tensor.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
+            return value, {"lm loss": value.detach()}
+
+        return output, loss
+
+    losses, shapes = [], []
+    u_start = [c.projection.detach().clone() for c in codecs]
+    for _ in range(steps):
+        for chunk in chunks:
+            chunk.zero_grad_buffer()
+        optimizer.zero_grad()
+        with recording_p2p() as sent:
+            reports = schedule(forward_step_func=forward_step, data_iterator=stream, model=chunks,
+                               num_microbatches=MICRO_BATCHES, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
+                               forward_only=False)
+        shapes += sorted({shape for _, _, shape in sent})
+        updated, _, _ = optimizer.step()
+        assert updated
+        if last:
+            losses.append(float(torch.stack([r["lm loss"] for r in reports]).mean()))
+    return {
+        "losses": losses,
+        "p2p_shapes": shapes,
+        "tokens_on_every_micro_batch": all(tokens_seen),
+        "codecs": sorted(name for name, _ in model.named_children() if name.startswith("mapl_")),
+        "u_moved": [float((c.projection - u0).abs().max()) for c, u0 in zip(codecs, u_start)],
+        "u": [c.projection.detach().clone() for c in codecs],
+    }
+
+
+def test_mapl_in_megatron_lm_sends_r_wide_and_keeps_replicas_identical():
+    """8x: the schedule's P2P carries [s, b, d / 8] both ways; both replicas of U move, and move alike; the
+    last stage got the token ids from Megatron-LM's batch function; the codecs are the model's submodules."""
+    sender, receiver = run_distributed(_megatron_lm_steps, 2, ["--mapl-ratio", "8"], 2, timeout=240)
+    assert sender["p2p_shapes"] == receiver["p2p_shapes"] == [(SEQ, MICRO_BATCH, 4)] * 2
+    assert sender["codecs"] == ["mapl_send_0"] and receiver["codecs"] == ["mapl_recv_0"]
+    assert receiver["tokens_on_every_micro_batch"] and sender["tokens_on_every_micro_batch"]
+    assert min(sender["u_moved"]) > 1e-4, sender["u_moved"]
+    assert torch.equal(sender["u"][0], receiver["u"][0])
+    assert all(torch.isfinite(torch.tensor(receiver["losses"])))
+
+
+def test_mapl_at_full_width_trains_like_megatron_lm_without_it():
+    """r = d loses nothing: the same losses as without MAPL (only the anchors' and U's rounding differs)."""
+    plain = run_distributed(_megatron_lm_steps, 2, [], 3, timeout=240)[1]["losses"]
+    full = run_distributed(_megatron_lm_steps, 2, ["--mapl-ratio", "1"], 3, timeout=240)[1]["losses"]
+    assert len(plain) == len(full) == 3
+    assert max(abs(a - b) / a for a, b in zip(plain, full)) < 1e-5, (plain, full)
+    assert plain[-1] < plain[0]  # it trains
