@@ -82,8 +82,15 @@ def _capture_tp_traffic(steps: int, seed: int):
         return original_reduce_scatter(tensor, *args, **kwargs)
 
     layers.reduce_scatter_to_sequence_parallel_region = recording_reduce_scatter
-    cfg = TrainConfig(STUDY_MODEL, tensor_parallel=2, sequence_parallel=True, micro_batch_size=4,
-                      num_microbatches=1, lr=3e-3, seed=seed)
+    cfg = TrainConfig(
+        STUDY_MODEL,
+        tensor_parallel=2,
+        sequence_parallel=True,
+        micro_batch_size=4,
+        num_microbatches=1,
+        lr=3e-3,
+        seed=seed,
+    )
     trainer = Trainer(cfg)
     train_files, _ = stdlib_text_files()
     data = byte_text_batches(train_files[:400], STUDY_MODEL.seq_length, 4, seed=seed)
@@ -136,9 +143,11 @@ def main() -> None:
 
 def _summary(rows, inputs) -> List[str]:
     """Mean relative error per (variant, G) over the real traffic tensors and over all inputs."""
-    lines = ["| variant | G | ratio vs bf16 | rel. L2, real TP traffic | rel. L2, synthetic | small-half rel. L2, real | "
-             "small-half rel. L2, synthetic | zero collapse, real | worst rel. L2 |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| variant | G | ratio vs bf16 | rel. L2, real TP traffic | rel. L2, synthetic | small-half rel. L2, real | "
+        "small-half rel. L2, synthetic | zero collapse, real | worst rel. L2 |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     keys = sorted({(r[1], r[2]) for r in rows}, key=lambda k: (k[0], k[1]))
     for variant, group in keys:
         sel = [r for r in rows if r[1] == variant and r[2] == group]

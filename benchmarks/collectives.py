@@ -86,12 +86,19 @@ def _regime_worker(sizes_mib, chunk_sweep_mib, iters_small: int, iters_large: in
             rel_err = float((approx - exact).norm() / exact.norm())
             factor = 2 * (world - 1) / world if name == "all_reduce" else (world - 1) / world
             size_bytes = size_mib * MIB
-            rows.append(dict(
-                collective=name, size_mib=size_mib, plain_ms=plain_ms, comp_ms=comp_ms,
-                speedup=plain_ms / comp_ms, plain_busbw=size_bytes / plain_ms / 1e6 * factor,
-                comp_busbw=size_bytes / comp_ms / 1e6 * factor, rel_err=rel_err,
-                auto_ms=_time_ms(lambda: _call(name, x, codec, auto), iters),
-            ))
+            rows.append(
+                dict(
+                    collective=name,
+                    size_mib=size_mib,
+                    plain_ms=plain_ms,
+                    comp_ms=comp_ms,
+                    speedup=plain_ms / comp_ms,
+                    plain_busbw=size_bytes / plain_ms / 1e6 * factor,
+                    comp_busbw=size_bytes / comp_ms / 1e6 * factor,
+                    rel_err=rel_err,
+                    auto_ms=_time_ms(lambda: _call(name, x, codec, auto), iters),
+                )
+            )
             del x, exact, approx
         torch.cuda.empty_cache()
     sweep = []
@@ -99,8 +106,13 @@ def _regime_worker(sizes_mib, chunk_sweep_mib, iters_small: int, iters_large: in
         x = _input(name, 256 * MIB, world)
         for chunk_mib in chunk_sweep_mib:
             options = comm.CommOptions(min_bytes=0, chunk_bytes=chunk_mib * MIB)
-            sweep.append(dict(collective=name, chunk_mib=chunk_mib,
-                              comp_ms=_time_ms(lambda: _call(name, x, codec, options), iters_large)))
+            sweep.append(
+                dict(
+                    collective=name,
+                    chunk_mib=chunk_mib,
+                    comp_ms=_time_ms(lambda: _call(name, x, codec, options), iters_large),
+                )
+            )
     return rows, sweep, {"link_gbps": link_gbps, "compresses": auto.min_bytes < NEVER}
 
 
@@ -121,13 +133,23 @@ def main() -> None:
     for regime in args.regimes.split(","):
         print(f"regime {regime} ...", flush=True)
         rows, sweep, auto = run_distributed(
-            _regime_worker, 2, sizes, chunks, args.iters_small, args.iters_large,
-            backend="nccl", env=LINK_REGIMES[regime], timeout=900,
+            _regime_worker,
+            2,
+            sizes,
+            chunks,
+            args.iters_small,
+            args.iters_large,
+            backend="nccl",
+            env=LINK_REGIMES[regime],
+            timeout=900,
         )[0]
         results[regime] = {"rows": rows, "sweep": sweep, "auto": auto}
         for r in rows:
-            print(f"  {r['collective']:>14} {r['size_mib']:>4} MiB  plain {r['plain_ms']:8.3f} ms  "
-                  f"taco {r['comp_ms']:8.3f} ms  x{r['speedup']:.2f}  err {r['rel_err']:.4f}", flush=True)
+            print(
+                f"  {r['collective']:>14} {r['size_mib']:>4} MiB  plain {r['plain_ms']:8.3f} ms  "
+                f"taco {r['comp_ms']:8.3f} ms  x{r['speedup']:.2f}  err {r['rel_err']:.4f}",
+                flush=True,
+            )
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "collectives.json"), "w") as f:
         json.dump(results, f, indent=1)
@@ -179,20 +201,31 @@ def _write(args, results, path) -> None:
     ]
     for regime, data in results.items():
         auto = data["auto"]
-        lines += [f"## {regime}", "",
-                  f"Auto policy (`comm.policy.auto_options`): probe measured {auto['link_gbps']:.1f} GB/s bus bandwidth "
-                  f"(threshold {FAST_LINK_GBPS:.0f}) -> compression {'on' if auto['compresses'] else 'off'}.", "",
-                  "| collective | MiB | NCCL bf16 ms | TACO ms | speed-up | auto policy speed-up | NCCL busbw GB/s | "
-                  "TACO busbw GB/s (bf16-equivalent) | rel. err |", "|---|---|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {regime}",
+            "",
+            f"Auto policy (`comm.policy.auto_options`): probe measured {auto['link_gbps']:.1f} GB/s bus bandwidth "
+            f"(threshold {FAST_LINK_GBPS:.0f}) -> compression {'on' if auto['compresses'] else 'off'}.",
+            "",
+            "| collective | MiB | NCCL bf16 ms | TACO ms | speed-up | auto policy speed-up | NCCL busbw GB/s | "
+            "TACO busbw GB/s (bf16-equivalent) | rel. err |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in data["rows"]:
             lines.append(
                 f"| {r['collective']} | {r['size_mib']} | {r['plain_ms']:.3f} | {r['comp_ms']:.3f} | "
                 f"{r['speedup']:.2f}x | {r['plain_ms'] / r['auto_ms']:.2f}x | {r['plain_busbw']:.1f} | "
                 f"{r['comp_busbw']:.1f} | {r['rel_err']:.4f} |"
             )
-        lines += ["", "Pipelining piece size at 256 MiB (compressed time, ms; 0 = one piece):", "",
-                  "| collective | " + " | ".join(f"{s['chunk_mib']} MiB" for s in data["sweep"][: len(args.chunk_sweep_mib.split(','))]) + " |",
-                  "|---|" + "---|" * len(args.chunk_sweep_mib.split(","))]
+        lines += [
+            "",
+            "Pipelining piece size at 256 MiB (compressed time, ms; 0 = one piece):",
+            "",
+            "| collective | "
+            + " | ".join(f"{s['chunk_mib']} MiB" for s in data["sweep"][: len(args.chunk_sweep_mib.split(","))])
+            + " |",
+            "|---|" + "---|" * len(args.chunk_sweep_mib.split(",")),
+        ]
         for name in ("all_gather", "reduce_scatter"):
             sel = [s for s in data["sweep"] if s["collective"] == name]
             lines.append(f"| {name} | " + " | ".join(f"{s['comp_ms']:.3f}" for s in sel) + " |")

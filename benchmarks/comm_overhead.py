@@ -68,15 +68,19 @@ def _worker():
         "torch add (reference launch)": lambda: torch.add(x, x),
         "codec.compress": lambda: codec.compress(x, out=msg),
         "codec.compress (new output buffer)": lambda: codec.compress(x),
-        "codec.decompress_rows (2 rows)": lambda: codec.decompress_rows(gathered.view(2, -1), out.view(2, -1),
-                                                                        validate=False),
-        "dist.all_gather_into_tensor (plain, async + wait)":
-            lambda: dist.all_gather_into_tensor(out, x, async_op=True).wait(),
+        "codec.decompress_rows (2 rows)": lambda: codec.decompress_rows(
+            gathered.view(2, -1), out.view(2, -1), validate=False
+        ),
+        "dist.all_gather_into_tensor (plain, async + wait)": lambda: dist.all_gather_into_tensor(
+            out, x, async_op=True
+        ).wait(),
         "comm.all_gather uncompressed": lambda: comm.all_gather(x, None, None, options),
         "comm.all_gather compressed": lambda: comm.all_gather(x, None, codec, options),
     }
-    rows = {name: (_per_call_us(fn, 200, sync_each=False), _per_call_us(fn, 100, sync_each=True))
-            for name, fn in calls.items()}
+    rows = {
+        name: (_per_call_us(fn, 200, sync_each=False), _per_call_us(fn, 100, sync_each=True))
+        for name, fn in calls.items()
+    }
     python_profile = _python_profile(lambda: comm.all_gather(x, None, codec, options))
     from torch.profiler import ProfilerActivity, profile
 

@@ -51,12 +51,24 @@ from .provenance import project_commit
 
 THROUGHPUT_MODELS = {
     "GPT (4L, h4096, ffn16384, seq2048)": ModelShape(
-        num_layers=4, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=16384, vocab_size=32000,
-        seq_length=2048),
+        num_layers=4, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=16384, vocab_size=32000, seq_length=2048
+    ),
     "Qwen-style (4L, h3584, GQA 28/4, SwiGLU 18944, seq2048)": ModelShape(
-        num_layers=4, hidden_size=3584, num_attention_heads=28, num_query_groups=4, ffn_hidden_size=18944,
-        vocab_size=32000, seq_length=2048, normalization="RMSNorm", activation="swiglu",
-        position_embedding="rope", rotary_base=1000000, add_bias_linear=False, add_qkv_bias=True, norm_epsilon=1e-6),
+        num_layers=4,
+        hidden_size=3584,
+        num_attention_heads=28,
+        num_query_groups=4,
+        ffn_hidden_size=18944,
+        vocab_size=32000,
+        seq_length=2048,
+        normalization="RMSNorm",
+        activation="swiglu",
+        position_embedding="rope",
+        rotary_base=1000000,
+        add_bias_linear=False,
+        add_qkv_bias=True,
+        norm_epsilon=1e-6,
+    ),
 }
 # the loss study trains the same models on byte-level text: only the vocabulary differs
 LOSS_MODELS = {name: dataclasses.replace(shape, vocab_size=256) for name, shape in THROUGHPUT_MODELS.items()}
@@ -66,8 +78,12 @@ LOSS_LR = 3e-4
 CUPTI_TEARDOWN = {"TEARDOWN_CUPTI": "1"}
 # cuBLAS's documented setting for run-to-run reproducibility when several streams share a device
 DETERMINISTIC_CUBLAS = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
-PIPELINE_MODEL = ("GPT wide-shallow (2L, h2048, ffn8192, seq2048, vocab 8192)", ModelShape(
-    num_layers=2, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192, vocab_size=8192, seq_length=2048))
+PIPELINE_MODEL = (
+    "GPT wide-shallow (2L, h2048, ffn8192, seq2048, vocab 8192)",
+    ModelShape(
+        num_layers=2, hidden_size=2048, num_attention_heads=16, ffn_hidden_size=8192, vocab_size=8192, seq_length=2048
+    ),
+)
 PIPELINE_MICRO_BATCH = 4  # 4 x 2048 tokens x 2048 x bf16 = 32 MiB per boundary message
 TACO_KERNELS = ("_compress_kernel", "_decompress_sum_kernel")  # the Triton kernels of the TACO codec
 
@@ -103,8 +119,10 @@ def _gpu_time_split(trainer: Trainer, data) -> dict:
     from torch.profiler import ProfilerActivity, profile, schedule
 
     # one warm-up step under the profiler first: CUPTI's start-up would otherwise land in the recorded step
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
-                 schedule=schedule(wait=0, warmup=1, active=1, repeat=1)) as prof:
+    with profile(
+        activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+        schedule=schedule(wait=0, warmup=1, active=1, repeat=1),
+    ) as prof:
         for _ in range(2):
             trainer.train_step(data)
             torch.cuda.synchronize()
@@ -119,11 +137,22 @@ def _gpu_time_split(trainer: Trainer, data) -> dict:
     nccl = [k for k in kernels if k.name.lower().startswith("nccl")]
     taco = [k for k in kernels if any(name in k.name for name in TACO_KERNELS)]
     # MAPL's kernels are ordinary GEMMs and element-wise ops: found through the host operator that launched them
-    mapl = sum(k.duration for op in codec_operators(events, MAPL_CODEC_RANGE)
-               for k in op.kernels if not k.name.lower().startswith("nccl")) / 1e3
+    mapl = (
+        sum(
+            k.duration
+            for op in codec_operators(events, MAPL_CODEC_RANGE)
+            for k in op.kernels
+            if not k.name.lower().startswith("nccl")
+        )
+        / 1e3
+    )
     codec = ms(taco) + mapl
-    return {"codec": codec, "nccl": ms(nccl), "other": ms(kernels) - ms(nccl) - codec,
-            "host_ops": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12)}
+    return {
+        "codec": codec,
+        "nccl": ms(nccl),
+        "other": ms(kernels) - ms(nccl) - codec,
+        "host_ops": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12),
+    }
 
 
 def _median_step_s(trainer: Trainer, data, steps: int, warmup: int) -> float:
@@ -156,27 +185,59 @@ def _timed_run(cfg: TrainConfig, model_name: str, variant: str, steps: int, warm
 
 def tp_config(shape: ModelShape, micro_batches: int, taco: Optional[TacoConfig] = None) -> TrainConfig:
     """The TP=2 + SP throughput layout: bf16, micro-batch 1 x ``micro_batches`` per step."""
-    return TrainConfig(shape, tensor_parallel=2, sequence_parallel=True, micro_batch_size=1,
-                       num_microbatches=micro_batches, dtype="bf16", lr=1e-4, taco=taco)
+    return TrainConfig(
+        shape,
+        tensor_parallel=2,
+        sequence_parallel=True,
+        micro_batch_size=1,
+        num_microbatches=micro_batches,
+        dtype="bf16",
+        lr=1e-4,
+        taco=taco,
+    )
 
 
 def _throughput_worker(steps: int, warmup: int, micro_batches: int, forced: bool):
     # the baseline again at the end (A-B-A): the first model trained in a process may run at another speed
-    variants = [("baseline", None), ("TACO auto", TACO_AUTO)] + ([("TACO forced", TACO_FORCED)] if forced else []) + [
-        ("baseline, again after TACO", None)]
-    return [_timed_run(tp_config(shape, micro_batches, taco), model_name, variant, steps, warmup)
-            for model_name, shape in THROUGHPUT_MODELS.items() for variant, taco in variants]
+    variants = (
+        [("baseline", None), ("TACO auto", TACO_AUTO)]
+        + ([("TACO forced", TACO_FORCED)] if forced else [])
+        + [("baseline, again after TACO", None)]
+    )
+    return [
+        _timed_run(tp_config(shape, micro_batches, taco), model_name, variant, steps, warmup)
+        for model_name, shape in THROUGHPUT_MODELS.items()
+        for variant, taco in variants
+    ]
 
 
 def _pipeline_worker(steps: int, warmup: int, micro_batches: int):
     """PP=2 throughput of the wide-shallow GPT: uncompressed vs MAPL 4x, 8x and 8x + VQ."""
     model_name, shape = PIPELINE_MODEL
-    variants = (("baseline", None), ("MAPL 4x", MaplConfig(ratio=4)), ("MAPL 8x", MaplConfig(ratio=8)),
-                ("MAPL 8x + VQ 2 x 255", MaplConfig(ratio=8, vq_levels=2, vq_codes=255)))
-    return [_timed_run(TrainConfig(shape, pipeline_parallel=2, micro_batch_size=PIPELINE_MICRO_BATCH,
-                                   num_microbatches=micro_batches, dtype="bf16", lr=1e-4, mapl=mapl),
-                       model_name, variant, steps, warmup)
-            for variant, mapl in variants]
+    variants = (
+        ("baseline", None),
+        ("MAPL 4x", MaplConfig(ratio=4)),
+        ("MAPL 8x", MaplConfig(ratio=8)),
+        ("MAPL 8x + VQ 2 x 255", MaplConfig(ratio=8, vq_levels=2, vq_codes=255)),
+    )
+    return [
+        _timed_run(
+            TrainConfig(
+                shape,
+                pipeline_parallel=2,
+                micro_batch_size=PIPELINE_MICRO_BATCH,
+                num_microbatches=micro_batches,
+                dtype="bf16",
+                lr=1e-4,
+                mapl=mapl,
+            ),
+            model_name,
+            variant,
+            steps,
+            warmup,
+        )
+        for variant, mapl in variants
+    ]
 
 
 def _loss_worker(model_name: str, variant: str, seed: int, steps: int, micro_batches: int, eval_iters: int) -> dict:
@@ -185,8 +246,17 @@ def _loss_worker(model_name: str, variant: str, seed: int, steps: int, micro_bat
     taco, mapl = LOSS_VARIANTS[variant]
     train_files, valid_files = stdlib_text_files()
     layout = dict(pipeline_parallel=2) if mapl else dict(tensor_parallel=2, sequence_parallel=True)
-    cfg = TrainConfig(shape, **layout, micro_batch_size=1, num_microbatches=micro_batches, dtype="bf16", lr=LOSS_LR,
-                      seed=1234 + seed, taco=taco, mapl=mapl)
+    cfg = TrainConfig(
+        shape,
+        **layout,
+        micro_batch_size=1,
+        num_microbatches=micro_batches,
+        dtype="bf16",
+        lr=LOSS_LR,
+        seed=1234 + seed,
+        taco=taco,
+        mapl=mapl,
+    )
     trainer = Trainer(cfg)
     train = byte_text_batches(train_files, shape.seq_length, 1, seed=1 + seed)
     losses = [trainer.train_step(train)["loss"] for _ in range(steps)]
@@ -203,13 +273,29 @@ def _loss_study(args, results: dict, report) -> None:
     unknown = [v for v in variants if v not in LOSS_VARIANTS]
     if unknown:
         raise SystemExit(f"--loss-variants: unknown {unknown}; choose from {list(LOSS_VARIANTS)}")
-    runs = [(model, variant, seed) for model in LOSS_MODELS
-            if args.loss_models == "all" or model.lower().startswith(args.loss_models)
-            for variant in variants for seed in range(args.loss_seeds)]
+    runs = [
+        (model, variant, seed)
+        for model in LOSS_MODELS
+        if args.loss_models == "all" or model.lower().startswith(args.loss_models)
+        for variant in variants
+        for seed in range(args.loss_seeds)
+    ]
     with ThreadPoolExecutor(max_workers=args.loss_parallel) as pool:
-        futures = {pool.submit(run_distributed, _loss_worker, 2, *run, args.loss_steps, args.micro_batches,
-                               args.eval_iters, backend="nccl", env=DETERMINISTIC_CUBLAS, timeout=1200): run
-                   for run in runs}
+        futures = {
+            pool.submit(
+                run_distributed,
+                _loss_worker,
+                2,
+                *run,
+                args.loss_steps,
+                args.micro_batches,
+                args.eval_iters,
+                backend="nccl",
+                env=DETERMINISTIC_CUBLAS,
+                timeout=1200,
+            ): run
+            for run in runs
+        }
         for future in as_completed(futures):
             model, variant, seed = futures[future]
             curve = future.result()[0]
@@ -231,8 +317,11 @@ def main() -> None:
     parser.add_argument("--loss-steps", type=int, default=150)
     parser.add_argument("--loss-seeds", type=int, default=2)
     parser.add_argument("--loss-parallel", type=int, default=6, help="loss runs (process pairs) at a time")
-    parser.add_argument("--loss-variants", default="baseline;TACO fp8-ash;MAPL 8x (PP=2)",
-                        help=f"';'-separated, from: {'; '.join(LOSS_VARIANTS)}")
+    parser.add_argument(
+        "--loss-variants",
+        default="baseline;TACO fp8-ash;MAPL 8x (PP=2)",
+        help=f"';'-separated, from: {'; '.join(LOSS_VARIANTS)}",
+    )
     parser.add_argument("--eval-iters", type=int, default=20)
     parser.add_argument("--parts", default="pipeline,throughput,loss")
     parser.add_argument("--loss-models", default="all", help="all, gpt or qwen")
@@ -257,8 +346,10 @@ def main() -> None:
         _plot(results, args.out_dir)
         _write(args, results)
 
-    workers = {"throughput": (_throughput_worker, (args.micro_batches, args.forced)),
-               "pipeline": (_pipeline_worker, (args.pipeline_micro_batches,))}
+    workers = {
+        "throughput": (_throughput_worker, (args.micro_batches, args.forced)),
+        "pipeline": (_pipeline_worker, (args.pipeline_micro_batches,)),
+    }
     for part in args.parts.split(","):
         if part == "loss":
             print("loss study", flush=True)
@@ -267,9 +358,16 @@ def main() -> None:
         worker, worker_args = workers[part]
         for regime in args.regimes.split(","):
             print(f"{part}, regime {regime}", flush=True)
-            results[part][regime] = run_distributed(worker, 2, args.steps, args.warmup, *worker_args,
-                                                    backend="nccl", env={**LINK_REGIMES[regime], **CUPTI_TEARDOWN},
-                                                    timeout=1200)[0]
+            results[part][regime] = run_distributed(
+                worker,
+                2,
+                args.steps,
+                args.warmup,
+                *worker_args,
+                backend="nccl",
+                env={**LINK_REGIMES[regime], **CUPTI_TEARDOWN},
+                timeout=1200,
+            )[0]
             report(f"{part} {regime}")
 
 
@@ -277,8 +375,9 @@ def _loss_runs(results) -> dict:
     """{model: {variant: {seed: curve}}} from the flat "model | variant | seed N" keys."""
     runs: dict = {}
     order = list(LOSS_VARIANTS)
-    for key, curve in sorted(results["loss"].items(), key=lambda kv: (kv[0].split(" | ")[0],
-                                                                      order.index(kv[0].split(" | ")[1]), kv[0])):
+    for key, curve in sorted(
+        results["loss"].items(), key=lambda kv: (kv[0].split(" | ")[0], order.index(kv[0].split(" | ")[1]), kv[0])
+    ):
         model, variant, seed = key.split(" | ")
         runs.setdefault(model, {}).setdefault(variant, {})[int(seed.split()[1])] = curve
     return runs
@@ -305,8 +404,12 @@ def _plot(results, out_dir) -> None:
                         series.setdefault(label, {})[regime] = r["tokens_per_s"] / base[r["model"]]
             width = 0.8 / max(1, len(series))
             for i, (label, ratios) in enumerate(series.items()):
-                ax.bar([k + i * width for k in range(len(regimes))], [ratios.get(reg, 0.0) for reg in regimes],
-                       width, label=label)
+                ax.bar(
+                    [k + i * width for k in range(len(regimes))],
+                    [ratios.get(reg, 0.0) for reg in regimes],
+                    width,
+                    label=label,
+                )
             ax.axhline(1.0, color="black", linewidth=0.8)
             ax.set_xticks([k + 0.4 - width / 2 for k in range(len(regimes))], regimes)
             ax.set_ylabel("tokens/s vs baseline")
@@ -321,7 +424,7 @@ def _plot(results, out_dir) -> None:
         for ax, (model, variants) in zip(axes[0], sorted(runs.items())):
             for variant, seeds in variants.items():
                 train = [statistics.mean(values) for values in zip(*(c["train"] for c in seeds.values()))]
-                smooth = [statistics.mean(train[max(0, i - 9): i + 1]) for i in range(len(train))]
+                smooth = [statistics.mean(train[max(0, i - 9) : i + 1]) for i in range(len(train))]
                 ax.plot(smooth, label=f"{variant} ({len(seeds)} seeds)")
             ax.set_title(model)
             ax.set_xlabel("step")
@@ -332,15 +435,19 @@ def _plot(results, out_dir) -> None:
         plt.close(fig)
 
 
-SPLIT_NOTE = ("GPU time of one profiled step (ms of kernels, rank 0): codec (TACO's Triton kernels; MAPL's "
-              "projection, anchors, VQ and replica synchronisation, forward and backward) / NCCL (the wire, waiting "
-              "for the peer included) / other; kernels on different streams overlap.")
+SPLIT_NOTE = (
+    "GPU time of one profiled step (ms of kernels, rank 0): codec (TACO's Triton kernels; MAPL's "
+    "projection, anchors, VQ and replica synchronisation, forward and backward) / NCCL (the wire, waiting "
+    "for the peer included) / other; kernels on different streams overlap."
+)
 
 
 def _throughput_table(parts: dict) -> list:
     """Markdown rows of timed runs per regime, each against the baseline of its model in the same process pair."""
-    lines = ["| regime | model | variant | ms/step | tokens/s | vs baseline | codec ms | NCCL ms | other ms |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| regime | model | variant | ms/step | tokens/s | vs baseline | codec ms | NCCL ms | other ms |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for regime, rows in parts.items():
         base = {r["model"]: r["tokens_per_s"] for r in rows if r["variant"] == "baseline"}
         for r in rows:
@@ -348,7 +455,8 @@ def _throughput_table(parts: dict) -> list:
             lines.append(
                 f"| {regime} | {r['model']} | {r['variant']} | {r['step_s'] * 1e3:.1f} | {r['tokens_per_s']:.0f} | "
                 f"{r['tokens_per_s'] / base[r['model']]:.2f}x | {split['codec']:.1f} | {split['nccl']:.1f} | "
-                f"{split['other']:.1f} |")
+                f"{split['other']:.1f} |"
+            )
     return lines + [""]
 
 
@@ -385,8 +493,14 @@ def _write(args, results) -> None:
         regime, rows = next(iter(results["throughput"].items()))
         for r in rows:
             if r["variant"] == "baseline":
-                lines += [f"Host operators of the profiled baseline step ({regime}, {r['model']}), by own CPU time:",
-                          "", "```", r["split"]["host_ops"].strip(), "```", ""]
+                lines += [
+                    f"Host operators of the profiled baseline step ({regime}, {r['model']}), by own CPU time:",
+                    "",
+                    "```",
+                    r["split"]["host_ops"].strip(),
+                    "```",
+                    "",
+                ]
     if results["pipeline"]:
         lines += [
             f"## Throughput: PP=2 (1F1B), bf16, micro-batch {PIPELINE_MICRO_BATCH} x "
@@ -423,10 +537,15 @@ def _write(args, results) -> None:
                 tail = statistics.mean(statistics.mean(seeds[k]["train"][-20:]) for k in order)
                 valid = statistics.mean(seeds[k]["valid"] for k in order)
                 diffs = [100 * (seeds[k]["valid"] / base[k]["valid"] - 1) for k in order if k in base]
-                spread = f"{statistics.mean(diffs):+.2f}% +- {statistics.stdev(diffs):.2f}" if len(diffs) > 1 else (
-                    f"{diffs[0]:+.2f}%" if diffs else "-")
-                lines.append(f"| {model} | {variant} | {len(order)} | {tail:.4f} | {valid:.4f} | "
-                             f"{', '.join(f'{d:+.2f}%' for d in diffs)} | {spread} |")
+                spread = (
+                    f"{statistics.mean(diffs):+.2f}% +- {statistics.stdev(diffs):.2f}"
+                    if len(diffs) > 1
+                    else (f"{diffs[0]:+.2f}%" if diffs else "-")
+                )
+                lines.append(
+                    f"| {model} | {variant} | {len(order)} | {tail:.4f} | {valid:.4f} | "
+                    f"{', '.join(f'{d:+.2f}%' for d in diffs)} | {spread} |"
+                )
         lines.append("")
     with open(os.path.join(args.out_dir, "e2e.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

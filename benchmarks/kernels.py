@@ -66,16 +66,21 @@ def main() -> None:
             comp_ms = _bench(lambda: codec.compress(x, out=buf))
             dec_ms = _bench(lambda: codec.decompress(buf, x.shape, dtype, validate=False))
             row = dict(
-                dtype=str(dtype).replace("torch.", ""), size=size_mib, copy_ms=copy_ms, copy_bw=copy_bw,
-                comp_ms=comp_ms, comp_frac=_gbps(in_bytes + msg_bytes, comp_ms) / copy_bw,
-                dec_ms=dec_ms, dec_frac=_gbps(in_bytes + msg_bytes, dec_ms) / copy_bw,
+                dtype=str(dtype).replace("torch.", ""),
+                size=size_mib,
+                copy_ms=copy_ms,
+                copy_bw=copy_bw,
+                comp_ms=comp_ms,
+                comp_frac=_gbps(in_bytes + msg_bytes, comp_ms) / copy_bw,
+                dec_ms=dec_ms,
+                dec_frac=_gbps(in_bytes + msg_bytes, dec_ms) / copy_bw,
             )
             for n in (2, 4):
                 bufs = buf.unsqueeze(0).repeat(n, 1)
                 ms = _bench(lambda: codec.decompress_sum(bufs, x.shape, dtype, validate=False))
                 row[f"sum{n}_ms"] = ms
                 row[f"sum{n}_frac"] = _gbps(n * msg_bytes + in_bytes, ms) / copy_bw
-                del bufs
+                bufs = None  # freed before the next one
             if str(size_mib) in args.compare_sizes_mib.split(","):
                 row["eager_ms"] = _bench(lambda: reference_compress(x))
                 try:
@@ -86,7 +91,7 @@ def main() -> None:
                     print(f"torch.compile of the reference failed: {type(exc).__name__}: {exc}", flush=True)
             rows.append(row)
             print(row, flush=True)
-            del x, buf, copy_out
+            x = buf = copy_out = None  # freed before the next size
             torch.cuda.empty_cache()
     _write(args, rows, sweep)
 
@@ -94,8 +99,10 @@ def main() -> None:
 def _sweep_launch_configs(codec: TacoCodec) -> list:
     """Time each kernel at 256 MiB (bf16 and fp32) for several tiles and warp counts; keep the best."""
     configs = [(tile, warps) for tile in (1024, 2048, 4096, 8192) for warps in (2, 4, 8)]
-    inputs = {dtype: torch.randn(256 * MIB // torch.empty((), dtype=dtype).element_size(), device="cuda", dtype=dtype)
-              for dtype in (torch.bfloat16, torch.float32)}
+    inputs = {
+        dtype: torch.randn(256 * MIB // torch.empty((), dtype=dtype).element_size(), device="cuda", dtype=dtype)
+        for dtype in (torch.bfloat16, torch.float32)
+    }
     results = []
     for kernel in ("compress", "decompress_sum"):
         best = None
@@ -144,8 +151,13 @@ def _write(args, rows, sweep) -> None:
             f"| {r['dtype']} | {r['size']} | {r['copy_bw']:.0f} | {r['comp_ms']:.3f} | {r['comp_frac']:.2f} | "
             f"{r['dec_ms']:.3f} | {r['dec_frac']:.2f} | {r['sum2_frac']:.2f} | {r['sum4_frac']:.2f} | {eager} | {comp} |"
         )
-    lines += ["", "## Launch-config sweep (256 MiB, sum of bf16 and fp32 times)", "",
-              "| kernel | elements per program | warps | ms |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "## Launch-config sweep (256 MiB, sum of bf16 and fp32 times)",
+        "",
+        "| kernel | elements per program | warps | ms |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| {k} | {c[0]} | {c[1]} | {t:.3f} |" for k, c, t in sweep]
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")

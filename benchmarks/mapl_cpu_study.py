@@ -28,37 +28,49 @@ from .mapl_variants import VARIANTS as ALL_VARIANTS
 from .mapl_variants import make_trainer
 from .provenance import project_commit
 
-MODEL = ModelShape(num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512, vocab_size=256,
-                   seq_length=128)
-VARIANTS = {name: ALL_VARIANTS[name] for name in (  # this study's rows, in report order
-    "uncompressed",
-    "MAPL 8x",
-    "MAPL 8x, manifold lr 0.1",
-    "MAPL 8x, anchor rank 64",
-    "fixed projection 8x (SSN-style)",
-    "MAPL 8x, anchor rank 128 (= hidden)",
-    "MAPL 8x, anchor rank 64, manifold lr 0.1",
-    "MAPL 16x, anchor rank 64",
-    "MAPL 8x, anchor rank 64, position anchors",
-    "MAPL 8x, anchor rank 64, manifold lr 0.1, position anchors",
-    "MAPL 8x, anchor rank 128, position anchors",
-    "MAPL 16x, anchor rank 64, position anchors",
-    "MAPL 8x, anchor rank 64, position anchors, anchors from the embedding",
-    "MAPL 16x, anchor rank 64, position anchors, anchors from the embedding",
-    "MAPL 8x, anchor rank 128, position anchors, anchors from the embedding",
-    "MAPL 8x, anchor rank 128, position anchors, anchors from the embedding, 1 context token",
-    "MAPL 8x, anchor rank 128, position anchors, anchors from the embedding, 3 context tokens",
-    "MAPL 8x, anchor rank 64, position anchors, anchors from the embedding, 3 context tokens",
-    "MAPL 16x, anchor rank 64, position anchors, anchors from the embedding, 3 context tokens",
-    "uncompressed + MAPL's anchors (rank 128, positions, 3 context tokens), no compression",
-)}
+MODEL = ModelShape(
+    num_layers=4, hidden_size=128, num_attention_heads=4, ffn_hidden_size=512, vocab_size=256, seq_length=128
+)
+VARIANTS = {
+    name: ALL_VARIANTS[name]
+    for name in (  # this study's rows, in report order
+        "uncompressed",
+        "MAPL 8x",
+        "MAPL 8x, manifold lr 0.1",
+        "MAPL 8x, anchor rank 64",
+        "fixed projection 8x (SSN-style)",
+        "MAPL 8x, anchor rank 128 (= hidden)",
+        "MAPL 8x, anchor rank 64, manifold lr 0.1",
+        "MAPL 16x, anchor rank 64",
+        "MAPL 8x, anchor rank 64, position anchors",
+        "MAPL 8x, anchor rank 64, manifold lr 0.1, position anchors",
+        "MAPL 8x, anchor rank 128, position anchors",
+        "MAPL 16x, anchor rank 64, position anchors",
+        "MAPL 8x, anchor rank 64, position anchors, anchors from the embedding",
+        "MAPL 16x, anchor rank 64, position anchors, anchors from the embedding",
+        "MAPL 8x, anchor rank 128, position anchors, anchors from the embedding",
+        "MAPL 8x, anchor rank 128, position anchors, anchors from the embedding, 1 context token",
+        "MAPL 8x, anchor rank 128, position anchors, anchors from the embedding, 3 context tokens",
+        "MAPL 8x, anchor rank 64, position anchors, anchors from the embedding, 3 context tokens",
+        "MAPL 16x, anchor rank 64, position anchors, anchors from the embedding, 3 context tokens",
+        "uncompressed + MAPL's anchors (rank 128, positions, 3 context tokens), no compression",
+    )
+}
 WINDOW = 50  # steps averaged for each point of the gap table
 
 
 def study_config(mapl, seed: int, **schedule) -> TrainConfig:
     """The study's training settings for one run (``schedule``: TrainConfig's learning-rate schedule fields)."""
-    return TrainConfig(MODEL, pipeline_parallel=2, micro_batch_size=8, num_microbatches=2, lr=2e-3,
-                       seed=1234 + seed, mapl=mapl, **schedule)
+    return TrainConfig(
+        MODEL,
+        pipeline_parallel=2,
+        micro_batch_size=8,
+        num_microbatches=2,
+        lr=2e-3,
+        seed=1234 + seed,
+        mapl=mapl,
+        **schedule,
+    )
 
 
 def study_run(mapl, seed: int, steps: int, after_step=None, schedule: Optional[dict] = None) -> dict:
@@ -84,8 +96,10 @@ def study_run(mapl, seed: int, steps: int, after_step=None, schedule: Optional[d
 
 def _worker(names, steps: int, seeds: int, schedule: dict):
     """{variant: {seed: curve}}."""
-    return {name: {seed: study_run(VARIANTS[name], seed, steps, schedule=schedule) for seed in range(seeds)}
-            for name in names}
+    return {
+        name: {seed: study_run(VARIANTS[name], seed, steps, schedule=schedule) for seed in range(seeds)}
+        for name in names
+    }
 
 
 def main() -> None:
@@ -93,8 +107,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--out", default="benchmarks/results/mapl_cpu_study.md")
-    parser.add_argument("--variants", default=";".join(VARIANTS),
-                        help="names from VARIANTS separated by ';' (uncompressed is always run: the reference)")
+    parser.add_argument(
+        "--variants",
+        default=";".join(VARIANTS),
+        help="names from VARIANTS separated by ';' (uncompressed is always run: the reference)",
+    )
     add_lr_schedule_args(parser, "--steps")
     args = parser.parse_args()
     schedule = lr_schedule_settings(args, args.steps)
@@ -111,13 +128,14 @@ def main() -> None:
     def gap(name, seed, end):
         """Train-loss gap to the same seed's uncompressed run, mean of the WINDOW steps before ``end``."""
         mine, base = results[name][seed]["train"], results["uncompressed"][seed]["train"]
-        return sum(mine[end - WINDOW:end]) / sum(base[end - WINDOW:end]) - 1
+        return sum(mine[end - WINDOW : end]) / sum(base[end - WINDOW : end]) - 1
 
     lines = [
         "# MAPL quality on CPU: the loss gap over training (small GPT, PP=2)",
         "",
         f"- Command: `python -m benchmarks.mapl_cpu_study --steps {args.steps} --seeds {args.seeds} --out {args.out} "
-        + lr_schedule_flags(args) + f"--variants '{';'.join(names[1:])}'`",
+        + lr_schedule_flags(args)
+        + f"--variants '{';'.join(names[1:])}'`",
         f"- Commit: {project_commit()}",
         f"- Date: {datetime.date.today().isoformat()}; CPU, 2 gloo ranks, fp32; torch "
         f"{__import__('torch').__version__}, megatron-core {__import__('megatron.core').core.__version__}",
@@ -131,7 +149,9 @@ def main() -> None:
         f"Train-loss gap to uncompressed (mean of the {WINDOW} steps before each point, mean over seeds) and final "
         "validation loss:",
         "",
-        "| variant | " + " | ".join(f"step {p}" for p in points) + " | validation loss (mean) | vs uncompressed per seed "
+        "| variant | "
+        + " | ".join(f"step {p}" for p in points)
+        + " | validation loss (mean) | vs uncompressed per seed "
         "| vs uncompressed mean +- std | seconds per run |",
         "|---|" + "---|" * (len(points) + 4),
     ]
@@ -139,11 +159,16 @@ def main() -> None:
         seeds = sorted(runs)
         gaps = " | ".join(f"{100 * statistics.mean(gap(name, k, p) for k in seeds):+.1f}%" for p in points)
         valid = [100 * (runs[k]["valid"] / results["uncompressed"][k]["valid"] - 1) for k in seeds]
-        spread = (f"{statistics.mean(valid):+.1f}% +- {statistics.stdev(valid):.1f}" if len(valid) > 1
-                  else f"{valid[0]:+.1f}%")
-        lines.append(f"| {name} | {gaps} | {statistics.mean(runs[k]['valid'] for k in seeds):.4f} | "
-                     f"{', '.join(f'{v:+.1f}%' for v in valid)} | {spread} | "
-                     f"{statistics.mean(runs[k]['seconds'] for k in seeds):.0f} |")
+        spread = (
+            f"{statistics.mean(valid):+.1f}% +- {statistics.stdev(valid):.1f}"
+            if len(valid) > 1
+            else f"{valid[0]:+.1f}%"
+        )
+        lines.append(
+            f"| {name} | {gaps} | {statistics.mean(runs[k]['valid'] for k in seeds):.4f} | "
+            f"{', '.join(f'{v:+.1f}%' for v in valid)} | {spread} | "
+            f"{statistics.mean(runs[k]['seconds'] for k in seeds):.0f} |"
+        )
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

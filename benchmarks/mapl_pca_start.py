@@ -32,8 +32,11 @@ from .mapl_cpu_study import study_run
 from .provenance import project_commit
 
 MAPL = MaplConfig(ratio=8, anchor_rank=64, position_anchors=True, anchor_init="random")  # as measured
-VARIANTS = {"MAPL 8x (random start)": 0, "PCA start once (after step 1)": 1,
-            "PCA tracking for 100 steps (EMA 0.9)": 100}  # name: steps after which U is reset to the PCA
+VARIANTS = {
+    "MAPL 8x (random start)": 0,
+    "PCA start once (after step 1)": 1,
+    "PCA tracking for 100 steps (EMA 0.9)": 100,
+}  # name: steps after which U is reset to the PCA
 EMA_DECAY = 0.9
 
 
@@ -60,10 +63,11 @@ def _reset_to_pca(trainer: Trainer, moments: dict, ema: dict) -> None:
         if dist.get_rank() == sender:
             step_moment = moments.pop(boundary.boundary)
             previous = ema.get(boundary.boundary)
-            ema[boundary.boundary] = step_moment if previous is None else (
-                EMA_DECAY * previous + (1 - EMA_DECAY) * step_moment)
+            ema[boundary.boundary] = (
+                step_moment if previous is None else (EMA_DECAY * previous + (1 - EMA_DECAY) * step_moment)
+            )
             eigenvectors = torch.linalg.eigh(ema[boundary.boundary].double())[1]
-            top = eigenvectors[:, -boundary.rank:].flip(-1).float().contiguous()
+            top = eigenvectors[:, -boundary.rank :].flip(-1).float().contiguous()
         else:
             top = torch.empty_like(boundary.projection)
         dist.broadcast(top, src=sender, group=sync.groups[boundary.boundary])
@@ -92,12 +96,17 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=2)
     parser.add_argument("--out", default="benchmarks/results/mapl_pca_start.md")
     args = parser.parse_args()
-    results = {name: {seed: run_distributed(_worker, 2, pca_steps, args.steps, seed, timeout=3600)[0]
-                      for seed in range(args.seeds)} for name, pca_steps in VARIANTS.items()}
+    results = {
+        name: {
+            seed: run_distributed(_worker, 2, pca_steps, args.steps, seed, timeout=3600)[0]
+            for seed in range(args.seeds)
+        }
+        for name, pca_steps in VARIANTS.items()
+    }
     base = results["MAPL 8x (random start)"]
 
     def window(curve, end):
-        return statistics.mean(curve[end - 50:end])
+        return statistics.mean(curve[end - 50 : end])
 
     points = [p for p in (100, 200, 300, 500) if p <= args.steps]
     lines = [
@@ -116,11 +125,16 @@ def main() -> None:
         "|---|" + "---|" * len(points) + "---|---|",
     ]
     for name, seeds in results.items():
-        gaps = [statistics.mean(100 * (window(seeds[s]["train"], p) / window(base[s]["train"], p) - 1)
-                                for s in seeds) for p in points]
+        gaps = [
+            statistics.mean(100 * (window(seeds[s]["train"], p) / window(base[s]["train"], p) - 1) for s in seeds)
+            for p in points
+        ]
         per_seed = ", ".join(f"{100 * (seeds[s]['valid'] / base[s]['valid'] - 1):+.1f}%" for s in seeds)
-        lines.append(f"| {name} | " + " | ".join(f"{g:+.1f}%" for g in gaps) +
-                     f" | {statistics.mean(c['valid'] for c in seeds.values()):.4f} | {per_seed} |")
+        lines.append(
+            f"| {name} | "
+            + " | ".join(f"{g:+.1f}%" for g in gaps)
+            + f" | {statistics.mean(c['valid'] for c in seeds.values()):.4f} | {per_seed} |"
+        )
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     with open(os.path.splitext(args.out)[0] + ".json", "w") as f:

@@ -35,32 +35,36 @@ from megatron_taco.training.model import ModelShape
 from .mapl_variants import VARIANTS as ALL_VARIANTS
 from .provenance import project_commit
 
-MODEL = ModelShape(num_layers=8, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048, vocab_size=256,
-                   seq_length=512)
-VARIANTS = {name: ALL_VARIANTS[name] for name in (  # this study's rows, in report order
-    "uncompressed",
-    "MAPL 2x",
-    "MAPL 4x",
-    "MAPL 8x",
-    "MAPL 16x",
-    "fixed projection 8x (SSN-style)",
-    "MAPL 8x + VQ (2 x 255 codes)",
-    "MAPL 8x, manifold lr 0.001",
-    "MAPL 8x, manifold lr 0.1",
-    "MAPL 8x, anchor rank 64",
-    "MAPL 16x, anchor rank 64",
-    "MAPL 8x, anchor rank 64, position anchors",
-    "MAPL 16x, anchor rank 64, position anchors",
-    "MAPL 8x, anchor rank 64, position anchors, anchors from the embedding",
-    "MAPL 16x, anchor rank 64, position anchors, anchors from the embedding",
-    "MAPL 8x, anchor rank 256 (= vocab), position anchors, anchors from the embedding",
-    "MAPL 16x, anchor rank 256 (= vocab), position anchors, anchors from the embedding",
-    "MAPL 8x, anchor rank 256 (= vocab), position anchors, anchors from the embedding, 1 context token",
-    "MAPL 8x, anchor rank 256 (= vocab), position anchors, anchors from the embedding, 3 context tokens",
-    "MAPL 16x, anchor rank 256 (= vocab), position anchors, anchors from the embedding, 3 context tokens",
-    "MAPL 8x, anchor rank 64, position anchors, anchors from the embedding, 3 context tokens",
-    "MAPL 16x, anchor rank 64, position anchors, anchors from the embedding, 3 context tokens",
-)}
+MODEL = ModelShape(
+    num_layers=8, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048, vocab_size=256, seq_length=512
+)
+VARIANTS = {
+    name: ALL_VARIANTS[name]
+    for name in (  # this study's rows, in report order
+        "uncompressed",
+        "MAPL 2x",
+        "MAPL 4x",
+        "MAPL 8x",
+        "MAPL 16x",
+        "fixed projection 8x (SSN-style)",
+        "MAPL 8x + VQ (2 x 255 codes)",
+        "MAPL 8x, manifold lr 0.001",
+        "MAPL 8x, manifold lr 0.1",
+        "MAPL 8x, anchor rank 64",
+        "MAPL 16x, anchor rank 64",
+        "MAPL 8x, anchor rank 64, position anchors",
+        "MAPL 16x, anchor rank 64, position anchors",
+        "MAPL 8x, anchor rank 64, position anchors, anchors from the embedding",
+        "MAPL 16x, anchor rank 64, position anchors, anchors from the embedding",
+        "MAPL 8x, anchor rank 256 (= vocab), position anchors, anchors from the embedding",
+        "MAPL 16x, anchor rank 256 (= vocab), position anchors, anchors from the embedding",
+        "MAPL 8x, anchor rank 256 (= vocab), position anchors, anchors from the embedding, 1 context token",
+        "MAPL 8x, anchor rank 256 (= vocab), position anchors, anchors from the embedding, 3 context tokens",
+        "MAPL 16x, anchor rank 256 (= vocab), position anchors, anchors from the embedding, 3 context tokens",
+        "MAPL 8x, anchor rank 64, position anchors, anchors from the embedding, 3 context tokens",
+        "MAPL 16x, anchor rank 64, position anchors, anchors from the embedding, 3 context tokens",
+    )
+}
 
 
 def _train_variant(args: argparse.Namespace, name: str) -> dict:
@@ -72,16 +76,27 @@ def _train_variant(args: argparse.Namespace, name: str) -> dict:
     for step in range(1, args.steps + 1):
         losses.append(trainer.train_step(train)["loss"])
         if step % args.log_interval == 0 and dist.get_rank() == 0:
-            print(f"  {name}: step {step}/{args.steps}, train loss (20-step mean) {sum(losses[-20:]) / 20:.4f}",
-                  flush=True)
+            print(
+                f"  {name}: step {step}/{args.steps}, train loss (20-step mean) {sum(losses[-20:]) / 20:.4f}",
+                flush=True,
+            )
     valid = trainer.evaluate(byte_text_batches(valid_files, MODEL.seq_length, 4, seed=2), args.eval_iters)
     trainer.close()
     return dict(train=losses, valid=valid)
 
 
 def _config(args: argparse.Namespace, mapl) -> TrainConfig:
-    return TrainConfig(MODEL, pipeline_parallel=2, micro_batch_size=4, num_microbatches=args.micro_batches,
-                       dtype="bf16", lr=1e-3, seed=1234, mapl=mapl, **lr_schedule_settings(args, args.steps))
+    return TrainConfig(
+        MODEL,
+        pipeline_parallel=2,
+        micro_batch_size=4,
+        num_microbatches=args.micro_batches,
+        dtype="bf16",
+        lr=1e-3,
+        seed=1234,
+        mapl=mapl,
+        **lr_schedule_settings(args, args.steps),
+    )
 
 
 def main() -> None:
@@ -92,8 +107,12 @@ def main() -> None:
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--variants", default="", help="';'-separated subset of the variant names (default: all)")
     add_lr_schedule_args(parser, "--steps")
-    parser.add_argument("--parallel", type=int, default=1,
-                        help="variants trained at the same time, each on both GPUs (the small model leaves them idle)")
+    parser.add_argument(
+        "--parallel",
+        type=int,
+        default=1,
+        help="variants trained at the same time, each on both GPUs (the small model leaves them idle)",
+    )
     parser.add_argument("--log-interval", type=int, default=250, help="steps between progress lines")
     args = parser.parse_args()
     names = [name for name in VARIANTS if not args.variants or name in args.variants.split(";")]
@@ -104,13 +123,17 @@ def main() -> None:
     os.makedirs(args.out_dir, exist_ok=True)
     results = {}
     with concurrent.futures.ThreadPoolExecutor(max_workers=args.parallel) as pool:
-        futures = {pool.submit(run_distributed, _train_variant, 2, args, name, backend="nccl", timeout=3600): name
-                   for name in names}
+        futures = {
+            pool.submit(run_distributed, _train_variant, 2, args, name, backend="nccl", timeout=3600): name
+            for name in names
+        }
         for future in concurrent.futures.as_completed(futures):
             name = futures[future]
             results[name] = future.result()[0]
-            print(f"  {name}: train {sum(results[name]['train'][-20:]) / 20:.4f} valid {results[name]['valid']:.4f}",
-                  flush=True)
+            print(
+                f"  {name}: train {sum(results[name]['train'][-20:]) / 20:.4f} valid {results[name]['valid']:.4f}",
+                flush=True,
+            )
             _write(args, {n: results[n] for n in names if n in results})  # report order = variant order
 
 
@@ -125,8 +148,11 @@ def _write(args: argparse.Namespace, results: dict) -> None:
         "# MAPL quality: PP=2, learned Stiefel projections vs a fixed one",
         "",
         f"- Command: `python -m benchmarks.mapl_quality --out-dir {args.out_dir} --steps {args.steps} "
-        f"--eval-iters {args.eval_iters} --micro-batches {args.micro_batches} " + lr_schedule_flags(args)
-        + f"--parallel {args.parallel}" + (f" --variants '{args.variants}'" if args.variants else "") + "`",
+        f"--eval-iters {args.eval_iters} --micro-batches {args.micro_batches} "
+        + lr_schedule_flags(args)
+        + f"--parallel {args.parallel}"
+        + (f" --variants '{args.variants}'" if args.variants else "")
+        + "`",
         f"- Commit: {project_commit()}",
         f"- Variants run: {len(results)} of {len(VARIANTS)}"
         + ("" if len(results) == len(VARIANTS) else " (cut short, or a subset was asked for)"),
@@ -148,8 +174,10 @@ def _write(args: argparse.Namespace, results: dict) -> None:
         width = MODEL.hidden_size if mapl is None else mapl.wire_rank(MODEL.hidden_size)
         width = f"{width}" + (f" -> {mapl.vq_levels} indices" if mapl is not None and mapl.vq_levels else "")
         tail = res["train"][-20:]
-        lines.append(f"| {name} | {width} | {sum(tail) / len(tail):.4f} | {res['valid']:.4f} | "
-                     f"{100 * (res['valid'] / base - 1):+.2f}% |")
+        lines.append(
+            f"| {name} | {width} | {sum(tail) / len(tail):.4f} | {res['valid']:.4f} | "
+            f"{100 * (res['valid'] / base - 1):+.2f}% |"
+        )
     with open(os.path.join(args.out_dir, "mapl_quality.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -163,7 +191,7 @@ def _plot(results, path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, res in results.items():
         train = res["train"]
-        smooth = [sum(train[max(0, i - 19): i + 1]) / len(train[max(0, i - 19): i + 1]) for i in range(len(train))]
+        smooth = [sum(train[max(0, i - 19) : i + 1]) / len(train[max(0, i - 19) : i + 1]) for i in range(len(train))]
         ax.plot(smooth, label=name)
     ax.set_xlabel("step")
     ax.set_ylabel("train loss (20-step mean)")

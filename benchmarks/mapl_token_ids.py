@@ -56,14 +56,18 @@ def _worker():
     rows = {
         "token ids: host-to-device copy, pageable": (tokens.numel() * 8, lambda: tokens.to(device)),
         "token ids: host-to-device copy, pinned, non_blocking": (
-            tokens.numel() * 8, lambda: pinned.to(device, non_blocking=True)),
+            tokens.numel() * 8,
+            lambda: pinned.to(device, non_blocking=True),
+        ),
         "token ids: sent over the boundary instead": (tokens.numel() * 8, _boundary_send(tokens.to(device))),
         "boundary message, uncompressed (bf16, d = 2048)": (
             SEQ * MICRO_BATCH * HIDDEN * 2,
-            _boundary_send(torch.randn(SEQ, MICRO_BATCH, HIDDEN, device=device, dtype=torch.bfloat16))),
+            _boundary_send(torch.randn(SEQ, MICRO_BATCH, HIDDEN, device=device, dtype=torch.bfloat16)),
+        ),
         "boundary message, MAPL 8x (bf16, r = 256)": (
             SEQ * MICRO_BATCH * MAPL_8X_RANK * 2,
-            _boundary_send(torch.randn(SEQ, MICRO_BATCH, MAPL_8X_RANK, device=device, dtype=torch.bfloat16))),
+            _boundary_send(torch.randn(SEQ, MICRO_BATCH, MAPL_8X_RANK, device=device, dtype=torch.bfloat16)),
+        ),
     }
     measured = {name: (nbytes, _median_us(fn)) for name, (nbytes, fn) in rows.items()}
     # the copy is paid on the receiving stage; report what rank 1 saw for everything

@@ -72,36 +72,49 @@ VARIANTS: Dict[str, Optional[MaplConfig]] = {
     "MAPL 8x, anchor rank 128 (= hidden)": _earlier(ratio=8, anchor_rank=128),  # the CPU model's hidden size
     "MAPL 8x, anchor rank 64, manifold lr 0.1": _earlier(ratio=8, anchor_rank=64, lr=0.1),
     "MAPL 8x, anchor rank 64, position anchors": _earlier(ratio=8, anchor_rank=64, position_anchors=True),
-    "MAPL 8x, anchor rank 64, manifold lr 0.1, position anchors": _earlier(ratio=8, anchor_rank=64, lr=0.1,
-                                                                           position_anchors=True),
+    "MAPL 8x, anchor rank 64, manifold lr 0.1, position anchors": _earlier(
+        ratio=8, anchor_rank=64, lr=0.1, position_anchors=True
+    ),
     "MAPL 8x, anchor rank 128, position anchors": _earlier(ratio=8, anchor_rank=128, position_anchors=True),
     "MAPL 16x, anchor rank 64, position anchors": _earlier(ratio=16, anchor_rank=64, position_anchors=True),
     "MAPL 8x, anchor rank 64, position anchors, anchors from the embedding": MaplConfig(
-        ratio=8, anchor_rank=64, position_anchors=True, anchor_init="embedding"),
+        ratio=8, anchor_rank=64, position_anchors=True, anchor_init="embedding"
+    ),
     "MAPL 8x, anchor rank 128, position anchors, anchors from the embedding": MaplConfig(
-        ratio=8, anchor_rank=128, position_anchors=True, anchor_init="embedding"),
+        ratio=8, anchor_rank=128, position_anchors=True, anchor_init="embedding"
+    ),
     "MAPL 16x, anchor rank 64, position anchors, anchors from the embedding": MaplConfig(
-        ratio=16, anchor_rank=64, position_anchors=True, anchor_init="embedding"),
+        ratio=16, anchor_rank=64, position_anchors=True, anchor_init="embedding"
+    ),
     # the GPU model's byte vocabulary has 256 tokens: at k = 256 the anchors start as the whole token table
     "MAPL 8x, anchor rank 256 (= vocab), position anchors, anchors from the embedding": MaplConfig(
-        ratio=8, anchor_rank=256, position_anchors=True, anchor_init="embedding"),
+        ratio=8, anchor_rank=256, position_anchors=True, anchor_init="embedding"
+    ),
     "MAPL 16x, anchor rank 256 (= vocab), position anchors, anchors from the embedding": MaplConfig(
-        ratio=16, anchor_rank=256, position_anchors=True, anchor_init="embedding"),
+        ratio=16, anchor_rank=256, position_anchors=True, anchor_init="embedding"
+    ),
     "MAPL 8x, anchor rank 64, position anchors, anchors from the embedding, 3 context tokens": MaplConfig(
-        ratio=8, anchor_rank=64, position_anchors=True, anchor_init="embedding", context_anchors=3),
+        ratio=8, anchor_rank=64, position_anchors=True, anchor_init="embedding", context_anchors=3
+    ),
     "MAPL 16x, anchor rank 64, position anchors, anchors from the embedding, 3 context tokens": MaplConfig(
-        ratio=16, anchor_rank=64, position_anchors=True, anchor_init="embedding", context_anchors=3),
-    "uncompressed + MAPL's anchors (rank 128, positions, 3 context tokens), no compression":
-        AnchorsWithoutCompression(ratio=1, anchor_rank=128, position_anchors=True, anchor_init="embedding",
-                                  context_anchors=3),
+        ratio=16, anchor_rank=64, position_anchors=True, anchor_init="embedding", context_anchors=3
+    ),
+    "uncompressed + MAPL's anchors (rank 128, positions, 3 context tokens), no compression": AnchorsWithoutCompression(
+        ratio=1, anchor_rank=128, position_anchors=True, anchor_init="embedding", context_anchors=3
+    ),
     "MAPL 8x, anchor rank 128, position anchors, anchors from the embedding, 1 context token": MaplConfig(
-        ratio=8, anchor_rank=128, position_anchors=True, anchor_init="embedding", context_anchors=1),
+        ratio=8, anchor_rank=128, position_anchors=True, anchor_init="embedding", context_anchors=1
+    ),
     "MAPL 8x, anchor rank 128, position anchors, anchors from the embedding, 3 context tokens": MaplConfig(
-        ratio=8, anchor_rank=128, position_anchors=True, anchor_init="embedding", context_anchors=3),
+        ratio=8, anchor_rank=128, position_anchors=True, anchor_init="embedding", context_anchors=3
+    ),
     "MAPL 8x, anchor rank 256 (= vocab), position anchors, anchors from the embedding, 1 context token": MaplConfig(
-        ratio=8, anchor_rank=256, position_anchors=True, anchor_init="embedding", context_anchors=1),
-    "MAPL 8x, anchor rank 256 (= vocab), position anchors, anchors from the embedding, 3 context tokens":
-        MaplConfig(ratio=8, anchor_rank=256, position_anchors=True, anchor_init="embedding", context_anchors=3),
-    "MAPL 16x, anchor rank 256 (= vocab), position anchors, anchors from the embedding, 3 context tokens":
-        MaplConfig(ratio=16, anchor_rank=256, position_anchors=True, anchor_init="embedding", context_anchors=3),
+        ratio=8, anchor_rank=256, position_anchors=True, anchor_init="embedding", context_anchors=1
+    ),
+    "MAPL 8x, anchor rank 256 (= vocab), position anchors, anchors from the embedding, 3 context tokens": MaplConfig(
+        ratio=8, anchor_rank=256, position_anchors=True, anchor_init="embedding", context_anchors=3
+    ),
+    "MAPL 16x, anchor rank 256 (= vocab), position anchors, anchors from the embedding, 3 context tokens": MaplConfig(
+        ratio=16, anchor_rank=256, position_anchors=True, anchor_init="embedding", context_anchors=3
+    ),
 }

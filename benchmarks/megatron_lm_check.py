@@ -41,24 +41,83 @@ from megatron_taco.testing.distributed import LINK_REGIMES
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MODELS = {
-    "gpt": ["--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", "16",
-            "--max-position-embeddings", "2048"],
-    "qwen": ["--num-layers", "8", "--hidden-size", "2048", "--num-attention-heads", "16", "--ffn-hidden-size", "5504",
-             "--group-query-attention", "--num-query-groups", "4", "--add-qkv-bias", "--disable-bias-linear",
-             "--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-             "--untie-embeddings-and-output-weights", "--max-position-embeddings", "2048"],
+    "gpt": [
+        "--num-layers",
+        "8",
+        "--hidden-size",
+        "2048",
+        "--num-attention-heads",
+        "16",
+        "--max-position-embeddings",
+        "2048",
+    ],
+    "qwen": [
+        "--num-layers",
+        "8",
+        "--hidden-size",
+        "2048",
+        "--num-attention-heads",
+        "16",
+        "--ffn-hidden-size",
+        "5504",
+        "--group-query-attention",
+        "--num-query-groups",
+        "4",
+        "--add-qkv-bias",
+        "--disable-bias-linear",
+        "--normalization",
+        "RMSNorm",
+        "--swiglu",
+        "--position-embedding-type",
+        "rope",
+        "--untie-embeddings-and-output-weights",
+        "--max-position-embeddings",
+        "2048",
+    ],
 }
-COMMON = ["--seq-length", "2048", "--mock-data", "--tokenizer-type", "NullTokenizer",
-          "--vocab-size", "32000", "--lr", "1e-4", "--min-lr", "1e-5", "--lr-decay-style", "constant", "--bf16",
-          "--log-interval", "5", "--eval-iters", "0", "--eval-interval", "100000", "--seed", "1234",
-          "--distributed-backend", "nccl", "--taco-log-interval", "5"]
+COMMON = [
+    "--seq-length",
+    "2048",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "32000",
+    "--lr",
+    "1e-4",
+    "--min-lr",
+    "1e-5",
+    "--lr-decay-style",
+    "constant",
+    "--bf16",
+    "--log-interval",
+    "5",
+    "--eval-iters",
+    "0",
+    "--eval-interval",
+    "100000",
+    "--seed",
+    "1234",
+    "--distributed-backend",
+    "nccl",
+    "--taco-log-interval",
+    "5",
+]
 IMPLS = {  # without apex: no gradient-accumulation fusion (the output layer is megatron-core's), local fusions off
-    "local": ["--transformer-impl", "local", "--no-gradient-accumulation-fusion", "--no-persist-layer-norm",
-              "--no-masked-softmax-fusion", "--no-rope-fusion"],
+    "local": [
+        "--transformer-impl",
+        "local",
+        "--no-gradient-accumulation-fusion",
+        "--no-persist-layer-norm",
+        "--no-masked-softmax-fusion",
+        "--no-rope-fusion",
+    ],
     "te": ["--transformer-impl", "transformer_engine", "--no-gradient-accumulation-fusion"],
 }
-PRECISIONS = {"bf16": [], "fp8": ["--fp8-format", "hybrid", "--fp8-amax-history-len", "16",
-                                  "--fp8-amax-compute-algo", "max"]}
+PRECISIONS = {
+    "bf16": [],
+    "fp8": ["--fp8-format", "hybrid", "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max"],
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,22 +136,30 @@ class Row:
     iters: int = 20
     pipeline: int = 1  # 1: TP=2 + SP; 2: PP=2 (TP=1, 4 micro-batches per step)
     resume: bool = False  # stop at half the iterations with --save, then --load and finish (MAPL state restored?)
-    mapl: str = "none"  # none | 1 (--mapl-ratio 1: lossless, checks the plumbing) | 8 | 8-vq (--mapl-vq-levels 2) | 8-fixed
+    mapl: str = (
+        "none"  # none | 1 (--mapl-ratio 1: lossless, checks the plumbing) | 8 | 8-vq (--mapl-vq-levels 2) | 8-fixed
+    )
 
     @property
     def baseline(self) -> Optional[str]:
         if self.taco == "none" and self.mapl == "none" and self.path == "launcher":
             return None
-        return _name(self.link, self.model, self.impl, self.precision, "none", pipeline=self.pipeline,
-                     release=self.release)
+        return _name(
+            self.link, self.model, self.impl, self.precision, "none", pipeline=self.pipeline, release=self.release
+        )
 
 
-def _name(link, model, impl, precision, taco, pipeline=1, mapl="none", resume=False, path="launcher",
-          release="0.19") -> str:
-    return (f"{link}-{model}-{impl}-{precision}-{taco}" + (f"-pp{pipeline}" if pipeline > 1 else "")
-            + (f"-mapl{mapl}" if mapl != "none" else "") + ("-resume" if resume else "")
-            + ("-patch" if path == "patch" else "")
-            + ("-016" if release == "0.16" else ""))
+def _name(
+    link, model, impl, precision, taco, pipeline=1, mapl="none", resume=False, path="launcher", release="0.19"
+) -> str:
+    return (
+        f"{link}-{model}-{impl}-{precision}-{taco}"
+        + (f"-pp{pipeline}" if pipeline > 1 else "")
+        + (f"-mapl{mapl}" if mapl != "none" else "")
+        + ("-resume" if resume else "")
+        + ("-patch" if path == "patch" else "")
+        + ("-016" if release == "0.16" else "")
+    )
 
 
 def _row(link, model, impl, precision, taco, **kw) -> Row:
@@ -142,16 +209,34 @@ ROWS = [
     _row("socket", "gpt", "local", "bf16", "none", pipeline=2, mapl="8", release="0.16"),
 ]
 SUITES = {
-    "smoke": ["socket-gpt-local-bf16-none", "socket-gpt-local-bf16-fp8-ash", "socket-gpt-te-bf16-none",
-              "socket-gpt-te-bf16-fp8-ash"],
+    "smoke": [
+        "socket-gpt-local-bf16-none",
+        "socket-gpt-local-bf16-fp8-ash",
+        "socket-gpt-te-bf16-none",
+        "socket-gpt-te-bf16-fp8-ash",
+    ],
     "mapl-smoke": ["socket-gpt-te-bf16-none-pp2", "socket-gpt-te-bf16-none-pp2-mapl8"],
     "all": [row.name for row in ROWS],
 }
-PARALLEL = {1: ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--micro-batch-size", "4",
-                "--global-batch-size", "4"],
-            2: ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "4", "--global-batch-size", "16"]}
-MAPL = {"none": [], "1": ["--mapl-ratio", "1"], "8": ["--mapl-ratio", "8"], "8-vq": ["--mapl-ratio", "8", "--mapl-vq-levels", "2"],
-        "8-fixed": ["--mapl-ratio", "8", "--mapl-fixed-projection"]}
+PARALLEL = {
+    1: [
+        "--tensor-model-parallel-size",
+        "2",
+        "--sequence-parallel",
+        "--micro-batch-size",
+        "4",
+        "--global-batch-size",
+        "4",
+    ],
+    2: ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "4", "--global-batch-size", "16"],
+}
+MAPL = {
+    "none": [],
+    "1": ["--mapl-ratio", "1"],
+    "8": ["--mapl-ratio", "8"],
+    "8-vq": ["--mapl-ratio", "8", "--mapl-vq-levels", "2"],
+    "8-fixed": ["--mapl-ratio", "8", "--mapl-fixed-projection"],
+}
 
 
 def _free_port() -> int:
@@ -172,10 +257,29 @@ def _patched_copy(checkout: str, work: str) -> str:
 def command(row: Row, checkout: str, port: int) -> List[str]:
     script = os.path.join(checkout, "pretrain_gpt.py")
     entry = ["-m", "megatron_taco.launch", script] if row.path == "launcher" else [script]
-    flags = [*MODELS[row.model], *PARALLEL[row.pipeline], *COMMON, *IMPLS[row.impl], *PRECISIONS[row.precision],
-             "--train-iters", str(row.iters), "--taco-mode", row.taco, *MAPL[row.mapl]]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-            *entry, *flags]
+    flags = [
+        *MODELS[row.model],
+        *PARALLEL[row.pipeline],
+        *COMMON,
+        *IMPLS[row.impl],
+        *PRECISIONS[row.precision],
+        "--train-iters",
+        str(row.iters),
+        "--taco-mode",
+        row.taco,
+        *MAPL[row.mapl],
+    ]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(port),
+        *entry,
+        *flags,
+    ]
 
 
 _ITER_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration \(ms\): ([\d.]+)")
@@ -219,15 +323,24 @@ def run_row(row: Row, checkouts: Dict[str, str], work: str, log_dir: str, attemp
     if row.path == "patch":
         checkout = _patched_copy(checkout, work)
     port = _free_port()  # chosen before the fork, one per run
-    env = {**os.environ, **LINK_REGIMES[row.link], "CUDA_DEVICE_MAX_CONNECTIONS": "1", "PYTHONWARNINGS": "ignore",
-           "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p)}
+    env = {
+        **os.environ,
+        **LINK_REGIMES[row.link],
+        "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        "PYTHONWARNINGS": "ignore",
+        "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+    }
     cmd = command(row, checkout, port)
     start = time.time()
     if row.resume:  # the first half saves, the second loads (a fresh port each)
         save = os.path.join(work, f"{row.name}.{attempt}.ckpt")
-        proc = subprocess.run([*cmd, "--save", save, "--save-interval", str(row.iters // 2),
-                               "--exit-interval", str(row.iters // 2)], env=env, capture_output=True, text=True,
-                              timeout=600)
+        proc = subprocess.run(
+            [*cmd, "--save", save, "--save-interval", str(row.iters // 2), "--exit-interval", str(row.iters // 2)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         log = proc.stdout + proc.stderr
         if proc.returncode == 0:
             cmd = [*command(row, checkout, _free_port()), "--load", save]
@@ -238,14 +351,22 @@ def run_row(row: Row, checkouts: Dict[str, str], work: str, log_dir: str, attemp
         log = proc.stdout + proc.stderr
     with open(os.path.join(log_dir, f"{row.name}.{attempt}.log"), "w") as f:
         f.write(" ".join(cmd) + "\n" + log)
-    result = {"row": dataclasses.asdict(row), "attempt": attempt, "returncode": proc.returncode,
-              "wall_s": round(time.time() - start, 1), **parse_log(log)}
+    result = {
+        "row": dataclasses.asdict(row),
+        "attempt": attempt,
+        "returncode": proc.returncode,
+        "wall_s": round(time.time() - start, 1),
+        **parse_log(log),
+    }
     if proc.returncode != 0:
         errors = [line for line in log.splitlines() if re.search(r"^(\[rank\d+\]: )?(\w+Error: |error: )", line)]
         result["error"] = errors[0][-300:] if errors else log[-300:]
     status = f"{result['ms_per_iter']:.1f} ms/iter" if result["ms_per_iter"] else f"FAILED: {result.get('error')}"
-    print(f"[{datetime.datetime.now():%H:%M:%S}] {row.name} (run {attempt}): {status}, loss {result['final_loss']}, "
-          f"{result['wall_s']} s", flush=True)
+    print(
+        f"[{datetime.datetime.now():%H:%M:%S}] {row.name} (run {attempt}): {status}, loss {result['final_loss']}, "
+        f"{result['wall_s']} s",
+        flush=True,
+    )
     return result
 
 
@@ -277,13 +398,25 @@ def summarise(results: List[Dict]) -> Dict[str, Dict]:
 GOALS = [
     ("sockets, local layers: TACO fp8-ash >= 1.6x", "socket-gpt-local-bf16-fp8-ash", "socket-gpt-local-bf16-none", 1.6),
     ("sockets, TE layers: TACO fp8-ash >= 1.6x", "socket-gpt-te-bf16-fp8-ash", "socket-gpt-te-bf16-none", 1.6),
-    ("TE bf16 + TACO faster than TE FP8 training alone (> 1.0x)", "socket-gpt-te-bf16-fp8-ash",
-     "socket-gpt-te-fp8-none", 1.0),
+    (
+        "TE bf16 + TACO faster than TE FP8 training alone (> 1.0x)",
+        "socket-gpt-te-bf16-fp8-ash",
+        "socket-gpt-te-fp8-none",
+        1.0,
+    ),
     ("TE FP8 + TACO >= 1.2x over TE FP8 alone", "socket-gpt-te-fp8-fp8-ash", "socket-gpt-te-fp8-none", 1.2),
-    ("NVLink, --taco-min-bytes auto (the probe turns compression off): >= 0.97x", "nvlink-gpt-local-bf16-fp8-ash",
-     "nvlink-gpt-local-bf16-none", 0.97),
-    ("PP=2 sockets: MAPL 8x >= 1.5x over uncompressed PP=2", "socket-gpt-te-bf16-none-pp2-mapl8",
-     "socket-gpt-te-bf16-none-pp2", 1.5),
+    (
+        "NVLink, --taco-min-bytes auto (the probe turns compression off): >= 0.97x",
+        "nvlink-gpt-local-bf16-fp8-ash",
+        "nvlink-gpt-local-bf16-none",
+        0.97,
+    ),
+    (
+        "PP=2 sockets: MAPL 8x >= 1.5x over uncompressed PP=2",
+        "socket-gpt-te-bf16-none-pp2-mapl8",
+        "socket-gpt-te-bf16-none-pp2",
+        1.5,
+    ),
 ]
 
 
@@ -327,8 +460,11 @@ def write_report(results: List[Dict], path: str, meta: Dict) -> None:
         runs = ", ".join(f"{r['ms_per_iter']:.0f}" if r["ms_per_iter"] else "x" for r in entry["runs"])
         pipeline, mapl = row.get("pipeline", 1), row.get("mapl", "none")
         compressed = row["taco"] != "none" or mapl != "none"
-        ratio = f"{entry['ratio']:.2f}x" if "ratio" in entry and not row.get("resume") else (
-            "n/a" if compressed and not row.get("resume") else "-")
+        ratio = (
+            f"{entry['ratio']:.2f}x"
+            if "ratio" in entry and not row.get("resume")
+            else ("n/a" if compressed and not row.get("resume") else "-")
+        )
         losses = [r["final_loss"] for r in entry["runs"] if r["final_loss"] is not None]
         telemetry = (entry["runs"][-1].get("telemetry") or "").replace("taco total: ", "")
         telemetry = telemetry.split(";")[0] if telemetry else "-"
@@ -336,9 +472,11 @@ def write_report(results: List[Dict], path: str, meta: Dict) -> None:
             mapl_line = entry["runs"][-1].get("mapl_telemetry") or ""
             telemetry = mapl_line.split(": ", 1)[-1].split(";")[0] if mapl_line else "-"
         layout = "TP=2+SP" if pipeline == 1 else f"PP={pipeline}"
-        out.append(f"| {name} | {row['path']} | {row['release']} | {row['model']} | {row['impl']} | "
-                   f"{row['precision']} | {row['link']} | {layout} | {row['taco']} | {mapl} | {runs} | {speed} | "
-                   f"{ratio} | {losses[-1] if losses else '-'} | {telemetry} |")
+        out.append(
+            f"| {name} | {row['path']} | {row['release']} | {row['model']} | {row['impl']} | "
+            f"{row['precision']} | {row['link']} | {layout} | {row['taco']} | {mapl} | {runs} | {speed} | "
+            f"{ratio} | {losses[-1] if losses else '-'} | {telemetry} |"
+        )
         for r in failed:
             out.append(f"|  | ↳ run {r['attempt']} failed: `{r.get('error', '')[:200]}` |||||||||||||")
     out += ["", "## Goals", ""] + goal_lines(rows)
@@ -363,15 +501,19 @@ def _meta(args) -> Dict:
         except OSError:
             return "?"
 
-    versions = sh(f"{sys.executable} -c \"import torch, triton; print('torch', torch.__version__, 'triton', "
-                  f"triton.__version__)\"")
-    te = sh(f"{sys.executable} -c \"import transformer_engine; print('TE', transformer_engine.__version__)\" "
-            "2>/dev/null")
-    return {"command": "python benchmarks/megatron_lm_check.py " + " ".join(args),
-            "commit": os.environ.get("PROJECT_COMMIT") or sh("git rev-parse --short HEAD") or "?",
-            "hardware": sh("nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs"),
-            "versions": f"{versions}, {te or 'no TE'}, Python {sys.version.split()[0]}",
-            "date": f"{datetime.datetime.now():%Y-%m-%d}"}
+    versions = sh(
+        f"{sys.executable} -c \"import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)\""
+    )
+    te = sh(
+        f"{sys.executable} -c \"import transformer_engine; print('TE', transformer_engine.__version__)\" 2>/dev/null"
+    )
+    return {
+        "command": "python benchmarks/megatron_lm_check.py " + " ".join(args),
+        "commit": os.environ.get("PROJECT_COMMIT") or sh("git rev-parse --short HEAD") or "?",
+        "hardware": sh("nvidia-smi --query-gpu=name --format=csv,noheader | sort | uniq -c | xargs"),
+        "versions": f"{versions}, {te or 'no TE'}, Python {sys.version.split()[0]}",
+        "date": f"{datetime.datetime.now():%Y-%m-%d}",
+    }
 
 
 def main(argv: Optional[List[str]] = None) -> None:

@@ -26,7 +26,7 @@ def _round_trip(tensor: torch.Tensor, peer: int) -> float:
     """Seconds for tensor to go to the peer and come back."""
     torch.cuda.synchronize()
     start = time.perf_counter()
-    for send_first in ((True, False) if dist.get_rank() == 0 else (False, True)):
+    for send_first in (True, False) if dist.get_rank() == 0 else (False, True):
         op = dist.P2POp(dist.isend if send_first else dist.irecv, tensor, peer)
         for req in dist.batch_isend_irecv([op]):
             req.wait()

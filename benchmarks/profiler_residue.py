@@ -46,8 +46,10 @@ def main() -> None:
     args = parser.parse_args()
     os.environ["TACO_TEST_START_METHOD"] = "spawn"
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    rows = {name: run_distributed(_worker, 2, args.steps, args.warmup, backend="nccl", env=env, timeout=600)[0]
-            for name, env in SETTINGS.items()}
+    rows = {
+        name: run_distributed(_worker, 2, args.steps, args.warmup, backend="nccl", env=env, timeout=600)[0]
+        for name, env in SETTINGS.items()
+    }
     model = next(iter(rows.values()))["model"]
     lines = [
         "# Does a finished profile slow later steps? (TP=2 + SP, NVLink)",
@@ -64,8 +66,10 @@ def main() -> None:
     ]
     for name, r in rows.items():
         ratio = min(r["after"]) / min(r["before"])
-        lines.append(f"| {name} | {', '.join(f'{t * 1e3:.1f}' for t in r['before'])} | "
-                     f"{', '.join(f'{t * 1e3:.1f}' for t in r['after'])} | {ratio:.2f} |")
+        lines.append(
+            f"| {name} | {', '.join(f'{t * 1e3:.1f}' for t in r['before'])} | "
+            f"{', '.join(f'{t * 1e3:.1f}' for t in r['after'])} | {ratio:.2f} |"
+        )
     os.makedirs(args.out_dir, exist_ok=True)
     with open(os.path.join(args.out_dir, "profiler_residue.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

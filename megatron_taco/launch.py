@@ -60,8 +60,10 @@ def check_megatron_args(args: argparse.Namespace):
         return cfg
     cfg.check_layers(args.num_layers)
     if getattr(args, "tp_comm_overlap", False):
-        raise TacoConfigError(f"--taco-mode {args.taco_mode} with --tp-comm-overlap: Transformer Engine's "
-                              "userbuffers send TP traffic around the collectives TACO compresses; drop one")
+        raise TacoConfigError(
+            f"--taco-mode {args.taco_mode} with --tp-comm-overlap: Transformer Engine's "
+            "userbuffers send TP traffic around the collectives TACO compresses; drop one"
+        )
     return cfg
 
 
@@ -123,21 +125,27 @@ def _patch_model_build() -> None:
         from megatron.core import parallel_state
 
         cfg = _STATE["taco"]
-        first_of_stage = (parallel_state.get_tensor_model_parallel_rank() == 0
-                          and parallel_state.get_data_parallel_rank() == 0)
+        first_of_stage = (
+            parallel_state.get_tensor_model_parallel_rank() == 0 and parallel_state.get_data_parallel_rank() == 0
+        )
         stage = f"pipeline stage {parallel_state.get_pipeline_model_parallel_rank()}"
         try:
             if cfg is not None and cfg.enabled:
                 attached = attach_taco([self], cfg)
                 if first_of_stage:
-                    print(f"megatron_taco: TACO {cfg.default.mode} ({getattr(self.config, 'transformer_impl', 'local')} "
-                          f"linears, {stage}): {attached.describe()}", flush=True)
+                    print(
+                        f"megatron_taco: TACO {cfg.default.mode} ({getattr(self.config, 'transformer_impl', 'local')} "
+                        f"linears, {stage}): {attached.describe()}",
+                        flush=True,
+                    )
             mapl_hooks.attach(self)
         except (TacoConfigError, ValueError) as exc:
             raise SystemExit(f"error: {exc}") from None
         if mapl_hooks.describe() and first_of_stage:
-            print(f"megatron_taco: MAPL ({stage}, chunk {getattr(self, 'vp_stage', None) or 0}): "
-                  f"{mapl_hooks.describe()}", flush=True)
+            print(
+                f"megatron_taco: MAPL ({stage}, chunk {getattr(self, 'vp_stage', None) or 0}): {mapl_hooks.describe()}",
+                flush=True,
+            )
 
     GPTModel.__init__ = init
 
@@ -171,8 +179,11 @@ def install_hooks() -> None:
     import megatron.core
 
     if _rank0():
-        print(f"megatron_taco: megatron-core {megatron.core.__version__} from "
-              f"{os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(megatron.core.__file__))))}", flush=True)
+        print(
+            f"megatron_taco: megatron-core {megatron.core.__version__} from "
+            f"{os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(megatron.core.__file__))))}",
+            flush=True,
+        )
     _patch_parse_args()
     _patch_torch_norm()
     _patch_model_build()
@@ -219,8 +230,10 @@ def use_checkout_of(script: str) -> None:
     loaded = sys.modules.get("megatron")
     checkout = os.path.join(folder, "megatron")
     if loaded is not None and os.path.isdir(checkout) and checkout not in [os.path.abspath(p) for p in loaded.__path__]:
-        raise SystemExit(f"error: megatron was imported from {list(loaded.__path__)} before the launcher could put "
-                         f"{folder} first on sys.path")
+        raise SystemExit(
+            f"error: megatron was imported from {list(loaded.__path__)} before the launcher could put "
+            f"{folder} first on sys.path"
+        )
     sys.path.insert(0, folder)
 
 

@@ -24,7 +24,7 @@ pip=("$venv/bin/python" -m pip -q --disable-pip-version-check)
 if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then "${pip[@]}" install "torch>=2.6"; else "${pip[@]}" install torch==2.13.0; fi
 fi
-"${pip[@]}" install triton numpy pyyaml "packaging>=24.2" "pytest>=8" matplotlib
+"${pip[@]}" install triton numpy pyyaml "packaging>=24.2" "pytest>=8" matplotlib ruff==0.17.6
 case "$mcore" in
   0.16.*) "${pip[@]}" install "megatron-core==$mcore" ;;
   *) "${pip[@]}" install --no-deps --ignore-requires-python "megatron-core==$mcore" ;;

@@ -34,9 +34,14 @@ def _startup_error(argv, world_size=2) -> str:
         (["--train-iters", "0"], "--train-iters: invalid value 0; expected an integer >= 1"),
         (["--train-iters", "-5"], "--train-iters: invalid value -5; expected an integer >= 1"),
         (["--global-batch-size", "0"], "--global-batch-size: invalid value 0; expected an integer >= 1"),
-        (["--tensor-model-parallel-size", "0"], "--tensor-model-parallel-size: invalid value 0; expected an integer >= 1"),
-        (["--pipeline-model-parallel-size", "0"],
-         "--pipeline-model-parallel-size: invalid value 0; expected an integer >= 1"),
+        (
+            ["--tensor-model-parallel-size", "0"],
+            "--tensor-model-parallel-size: invalid value 0; expected an integer >= 1",
+        ),
+        (
+            ["--pipeline-model-parallel-size", "0"],
+            "--pipeline-model-parallel-size: invalid value 0; expected an integer >= 1",
+        ),
         (["--eval-iters", "-1"], "--eval-iters: invalid value -1; expected an integer >= 0"),
         (["--eval-interval", "-1"], "--eval-interval: invalid value -1; expected an integer >= 0"),
         (["--save-interval", "-1"], "--save-interval: invalid value -1; expected an integer >= 0"),
@@ -44,10 +49,14 @@ def _startup_error(argv, world_size=2) -> str:
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag (see --help)"),
         (["--taco-mode", "bogus"], "--taco-mode: invalid value 'bogus'; choose from none, fp8, fp8-ash"),
         (["--mapl-ratio", "4"], "--mapl-ratio/--mapl-rank need --pipeline-model-parallel-size > 1"),
-        (["--sequence-parallel", "--tensor-model-parallel-size", "1", "--global-batch-size", "16"],
-         "--sequence-parallel needs --tensor-model-parallel-size > 1"),
-        (["--lr-decay-style", "cosine", "--lr-warmup-iters", "20", "--train-iters", "10"],
-         "--lr-decay-iters 10 must be larger than --lr-warmup-iters 20"),
+        (
+            ["--sequence-parallel", "--tensor-model-parallel-size", "1", "--global-batch-size", "16"],
+            "--sequence-parallel needs --tensor-model-parallel-size > 1",
+        ),
+        (
+            ["--lr-decay-style", "cosine", "--lr-warmup-iters", "20", "--train-iters", "10"],
+            "--lr-decay-iters 10 must be larger than --lr-warmup-iters 20",
+        ),
     ],
 )
 def test_bad_flags_fail_with_the_flag_and_what_it_allows(flags, message):
@@ -56,22 +65,26 @@ def test_bad_flags_fail_with_the_flag_and_what_it_allows(flags, message):
 
 def test_backends_that_cannot_run_here_fail_at_start_up(monkeypatch):
     assert _startup_error(["--config", TINY, "--taco-backend", "te"]).startswith(
-        "--taco-backend: invalid value 'te'; choose from auto, torch, triton")
+        "--taco-backend: invalid value 'te'; choose from auto, torch, triton"
+    )
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if not torch.cuda.is_available():
         assert _startup_error(["--config", TINY, "--taco-backend", "triton"]).startswith(
-            "--taco-backend triton: Triton's kernels need a GPU here")
+            "--taco-backend triton: Triton's kernels need a GPU here"
+        )
 
 
 def test_a_global_batch_that_does_not_split_into_micro_batches_per_replica_fails():
     # 4 ranks at TP=2: 2 data-parallel replicas of micro-batches of 4
     assert _startup_error(["--config", TINY, "--global-batch-size", "12"], world_size=4) == (
-        "--global-batch-size 12: must be a multiple of --micro-batch-size x data-parallel size = 4 x 2 = 8")
+        "--global-batch-size 12: must be a multiple of --micro-batch-size x data-parallel size = 4 x 2 = 8"
+    )
 
 
 def test_load_without_a_checkpoint_fails(tmp_path):
     assert _startup_error(["--config", TINY, "--load", str(tmp_path)]) == (
-        f"--load {tmp_path}: no checkpoint (missing {tmp_path / 'latest'})")
+        f"--load {tmp_path}: no checkpoint (missing {tmp_path / 'latest'})"
+    )
 
 
 def test_a_missing_config_file_fails(tmp_path):
@@ -87,8 +100,10 @@ def test_flags_without_a_config_fail():
     "text,message",
     [
         ("model: [1, 2\n", "not valid YAML: expected ',' or ']', but got '<stream end>' at line 2, column 1"),
-        ("model:\n  num_layers: 2\n   hidden_size: 8\n",
-         "not valid YAML: mapping values are not allowed here at line 3, column 15"),
+        (
+            "model:\n  num_layers: 2\n   hidden_size: 8\n",
+            "not valid YAML: mapping values are not allowed here at line 3, column 15",
+        ),
         ("- model\n", "expected a mapping of the sections ['model', 'training', 'taco', 'mapl'], got list"),
         ("optimizer:\n  lr: 0.1\n", "unknown sections ['optimizer']; known: ['model', 'training', 'taco', 'mapl']"),
         ("training: 3\n", "section training must be a mapping of keys to values, got 3"),
@@ -98,8 +113,18 @@ def test_flags_without_a_config_fail():
         ("mapl:\n  ratios: 4\n", "unknown keys ['ratios'] in section mapl; known: ['anchor_init', "),
         ("model:\n  num_layers: 2\n  width: 8\n", "model section: unknown model fields ['width']; known: ["),
     ],
-    ids=["yaml-unclosed", "yaml-indent", "not-a-mapping", "unknown-section", "section-not-a-mapping",
-         "unknown-training-key", "taco-key-in-training", "unknown-taco-key", "unknown-mapl-key", "unknown-model-key"],
+    ids=[
+        "yaml-unclosed",
+        "yaml-indent",
+        "not-a-mapping",
+        "unknown-section",
+        "section-not-a-mapping",
+        "unknown-training-key",
+        "taco-key-in-training",
+        "unknown-taco-key",
+        "unknown-mapl-key",
+        "unknown-model-key",
+    ],
 )
 def test_bad_config_files_fail_with_the_file_and_the_problem(tmp_path, text, message):
     path = tmp_path / "bad.yaml"

@@ -130,7 +130,9 @@ def test_non_contiguous_input_equals_contiguous_copy():
     assert not x.is_contiguous()
     codec = TacoCodec(backend="torch")
     assert torch.equal(codec.compress(x), codec.compress(x.contiguous()))
-    assert torch.equal(codec.decompress(codec.compress(x), x.shape), codec.decompress(codec.compress(x.contiguous()), x.shape))
+    assert torch.equal(
+        codec.decompress(codec.compress(x), x.shape), codec.decompress(codec.compress(x.contiguous()), x.shape)
+    )
 
 
 def test_empty_tensor_is_a_header_only_message():

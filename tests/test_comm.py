@@ -95,8 +95,14 @@ def _check_results(results, shape, dtype, backend):
     ar_expected = torch.cat([roundtrip(out["rs"]) for out in results])
     largest = {}
     for rank, out in enumerate(results):
-        for key in ("ag_async_equal", "rs_deterministic", "rs_async_equal", "plain_ag_equal",
-                    "threshold_ag_equal", "threshold_rs_equal"):
+        for key in (
+            "ag_async_equal",
+            "rs_deterministic",
+            "rs_async_equal",
+            "plain_ag_equal",
+            "threshold_ag_equal",
+            "threshold_rs_equal",
+        ):
             assert out[key], f"rank {rank}: {key}"
         chunks = [x[rank * rows : (rank + 1) * rows] for x in xs]
         rs_expected = codec.decompress_sum(torch.stack([codec.compress(c) for c in chunks]), chunks[0].shape, dtype)
@@ -124,8 +130,9 @@ def test_collectives_match_float64_model_and_error_bounds(world, dtype):
 
 def test_collectives_with_triton_kernels_in_interpreter():
     shape = (8, 100)
-    results = run_distributed(_collectives_worker, 2, "triton", shape, torch.float32, timeout=180,
-                              env={"TRITON_INTERPRET": "1"})
+    results = run_distributed(
+        _collectives_worker, 2, "triton", shape, torch.float32, timeout=180, env={"TRITON_INTERPRET": "1"}
+    )
     _check_results(results, shape, torch.float32, "triton")
 
 
@@ -227,8 +234,8 @@ def test_chunked_collectives_equal_their_pieces_sent_one_by_one(backend, shape, 
     results = run_distributed(_chunked_worker, world, backend, shape, chunk_bytes, timeout=180, env=env)
     row_bytes = shape[1] * 4
     for rank, out in enumerate(results):
-        (ag_rows, ag_pieces), = out["ag_pieces"]
-        (rs_rows, rs_pieces), = out["rs_pieces"]
+        ((ag_rows, ag_pieces),) = out["ag_pieces"]
+        ((rs_rows, rs_pieces),) = out["rs_pieces"]
         assert (ag_rows, rs_rows) == (shape[0], shape[0] // world)
         _check_pieces(ag_rows, ag_pieces, chunk_bytes, row_bytes)
         _check_pieces(rs_rows, rs_pieces, chunk_bytes, row_bytes)

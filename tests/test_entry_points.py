@@ -44,7 +44,11 @@ def _meta_parameter_count(path):
     enable_cpu_runtime()
     parallel_state.initialize_model_parallel(1, 1)
     config = make_transformer_config(
-        args.shape, tensor_parallel=1, pipeline_parallel=1, sequence_parallel=False, params_dtype=torch.float32,
+        args.shape,
+        tensor_parallel=1,
+        pipeline_parallel=1,
+        sequence_parallel=False,
+        params_dtype=torch.float32,
         extra={**LOCAL_SPEC_CONFIG, **cpu_config_overrides(), "perform_initialization": False},
     )
     with torch.device("meta"):
@@ -53,8 +57,9 @@ def _meta_parameter_count(path):
     return sum(p.numel() for p in model.parameters()), args.taco.enabled, args.mapl
 
 
-@pytest.mark.parametrize("path", [c for c in CONFIGS if os.path.basename(c) in PUBLISHED_PARAMS],
-                         ids=lambda p: os.path.basename(p))
+@pytest.mark.parametrize(
+    "path", [c for c in CONFIGS if os.path.basename(c) in PUBLISHED_PARAMS], ids=lambda p: os.path.basename(p)
+)
 def test_published_configs_parse_and_build_with_their_parameter_count(path):
     count, taco_on, mapl = run_distributed(_meta_parameter_count, 1, path, timeout=300)[0]
     expected = PUBLISHED_PARAMS[os.path.basename(path)]
@@ -76,21 +81,43 @@ def test_trainer_trains_with_taco_and_resumes_to_the_same_losses(config, tmp_pat
     assert first == straight[:3]
     assert resumed == straight[3:], "resuming must reproduce the uninterrupted run exactly"
     assert straight[-1] < straight[0]
-    with pytest.raises(cli.StartupError, match=r"^--load .*: its checkpoint is at step 3, so --train-iters 3 leaves "
-                                               r"nothing to train; use --train-iters > 3$"):
+    with pytest.raises(
+        cli.StartupError,
+        match=r"^--load .*: its checkpoint is at step 3, so --train-iters 3 leaves "
+        r"nothing to train; use --train-iters > 3$",
+    ):
         cli.startup_config(cli.parse_args(common + ["--train-iters", "3", "--load", str(tmp_path)]), 2)
 
 
-@pytest.mark.parametrize("mapl", [["--mapl-ratio", "4", "--mapl-context-anchors", "1"],
-                                  ["--mapl-ratio", "4", "--mapl-vq-levels", "2",
-                                                           "--mapl-vq-codes", "32", "--mapl-vq-sync-rows", "8"]],
-                         ids=["mapl-context-anchors", "mapl-vq"])
+@pytest.mark.parametrize(
+    "mapl",
+    [
+        ["--mapl-ratio", "4", "--mapl-context-anchors", "1"],
+        ["--mapl-ratio", "4", "--mapl-vq-levels", "2", "--mapl-vq-codes", "32", "--mapl-vq-sync-rows", "8"],
+    ],
+    ids=["mapl-context-anchors", "mapl-vq"],
+)
 def test_trainer_trains_pp2_with_mapl_and_resumes(mapl, tmp_path):
     path = os.path.join(ROOT, "configs", "gpt-tiny.yaml")
-    common = ["--config", path, "--tensor-model-parallel-size", "1", "--no-sequence-parallel",
-              "--pipeline-model-parallel-size", "2", "--taco-mode", "none", *mapl,
-              # the schedule's step count must come back too (warm-up then cosine decay over the 4 steps)
-              "--lr-warmup-iters", "1", "--lr-decay-style", "cosine", "--lr-decay-iters", "4"]
+    common = [
+        "--config",
+        path,
+        "--tensor-model-parallel-size",
+        "1",
+        "--no-sequence-parallel",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--taco-mode",
+        "none",
+        *mapl,
+        # the schedule's step count must come back too (warm-up then cosine decay over the 4 steps)
+        "--lr-warmup-iters",
+        "1",
+        "--lr-decay-style",
+        "cosine",
+        "--lr-decay-iters",
+        "4",
+    ]
     straight = run_distributed(_train_cli, 2, common + ["--train-iters", "4"], timeout=180)[0]
     run_distributed(_train_cli, 2, common + ["--train-iters", "2", "--save", str(tmp_path)], timeout=180)
     resumed = run_distributed(_train_cli, 2, common + ["--train-iters", "4", "--load", str(tmp_path)], timeout=180)[0]
@@ -105,7 +132,9 @@ def _free_port() -> int:
 
 def _script_env():
     """The environment for scripts/run.sh: this Python, its own torchrun port."""
-    return dict(os.environ, PYTHON=sys.executable, PYTHONWARNINGS="ignore", TORCHRUN_ARGS=f"--master-port {_free_port()}")
+    return dict(
+        os.environ, PYTHON=sys.executable, PYTHONWARNINGS="ignore", TORCHRUN_ARGS=f"--master-port {_free_port()}"
+    )
 
 
 RUN_SH = os.path.join(ROOT, "scripts", "run.sh")
@@ -114,9 +143,14 @@ RUN_SH = os.path.join(ROOT, "scripts", "run.sh")
 def test_run_script_works_from_any_folder_with_paths_from_there(tmp_path):
     """From another folder: the config from the repository, --save and --load in that folder; a resume with
     nothing left to train stops both ranks with one line."""
-    proc = subprocess.run(["bash", RUN_SH, "configs/gpt-tiny.yaml", "--train-iters", "2", "--taco-log-interval", "2",
-                           "--save", "ckpt"], cwd=tmp_path, env=_script_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        ["bash", RUN_SH, "configs/gpt-tiny.yaml", "--train-iters", "2", "--taco-log-interval", "2", "--save", "ckpt"],
+        cwd=tmp_path,
+        env=_script_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "step 2/2 | loss" in proc.stdout
     assert (tmp_path / "ckpt" / "latest").read_text() == "2"
@@ -125,12 +159,19 @@ def test_run_script_works_from_any_folder_with_paths_from_there(tmp_path):
     # the config's fp8-ash: a byte per fp32 value plus a 4-byte scale per group of 128
     assert float(total[3]) == pytest.approx(4 / (1 + 4 / 128), rel=0.01)
 
-    proc = subprocess.run(["bash", RUN_SH, "configs/gpt-tiny.yaml", "--train-iters", "2", "--load", "ckpt"],
-                          cwd=tmp_path, env=_script_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        ["bash", RUN_SH, "configs/gpt-tiny.yaml", "--train-iters", "2", "--load", "ckpt"],
+        cwd=tmp_path,
+        env=_script_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2
     assert (proc.stdout + proc.stderr).splitlines() == [
         "error: --load ckpt: its checkpoint is at step 2, so --train-iters 2 leaves nothing to train; "
-        "use --train-iters > 2"]
+        "use --train-iters > 2"
+    ]
 
 
 def test_run_script_finds_the_repository_environment_or_says_how_to_make_one(tmp_path):
@@ -141,19 +182,32 @@ def test_run_script_finds_the_repository_environment_or_says_how_to_make_one(tmp
     for part in ("examples", "megatron_taco"):
         (repo / part).symlink_to(os.path.join(ROOT, part))
     env = {k: v for k, v in _script_env().items() if k != "PYTHON"}
-    proc = subprocess.run(["bash", str(repo / "scripts" / "run.sh"), "configs/gpt-tiny.yaml"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        ["bash", str(repo / "scripts" / "run.sh"), "configs/gpt-tiny.yaml"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 1
     assert (proc.stdout + proc.stderr).splitlines() == [
         f"error: no Python environment in {repo} (.venv or .venv-mcore-0.19.2): run 'bash {repo}/scripts/run_demo.sh' "
-        f"or 'bash {repo}/scripts/setup_env.sh' first, or set PYTHON"]
+        f"or 'bash {repo}/scripts/setup_env.sh' first, or set PYTHON"
+    ]
 
     python = repo / ".venv-mcore-0.19.2" / "bin" / "python"
     python.parent.mkdir(parents=True)
     python.write_text(f'#!/bin/sh\nexec "{sys.executable}" "$@"\n')
     python.chmod(0o755)
-    proc = subprocess.run(["bash", str(repo / "scripts" / "run.sh"), "--help"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        ["bash", str(repo / "scripts" / "run.sh"), "--help"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--micro-batch-size" in proc.stdout and "--taco-mode" in proc.stdout
 
@@ -161,9 +215,14 @@ def test_run_script_finds_the_repository_environment_or_says_how_to_make_one(tmp
 def test_ctrl_c_stops_every_rank_with_one_line(tmp_path):
     log = tmp_path / "output.txt"
     with open(log, "w") as out:
-        proc = subprocess.Popen(["bash", RUN_SH, "configs/gpt-tiny.yaml", "--train-iters", "1000",
-                                 "--taco-log-interval", "0"], cwd=tmp_path, env=_script_env(), stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            ["bash", RUN_SH, "configs/gpt-tiny.yaml", "--train-iters", "1000", "--taco-log-interval", "0"],
+            cwd=tmp_path,
+            env=_script_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 120
         while "step 1/1000" not in log.read_text():

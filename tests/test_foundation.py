@@ -54,10 +54,12 @@ def test_cpu_runtime_refuses_on_gpu():
 
 
 def _train_losses(shape, tp, pp, sp, steps, lr=1e-3, vpp=None):
-    cfg = TrainConfig(shape, tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp, lr=lr,
-                      virtual_pipeline=vpp)
-    streams = [synthetic_batches(shape.vocab_size, shape.seq_length, cfg.micro_batch_size, seed=7)
-               for _ in range(vpp or 1)]
+    cfg = TrainConfig(
+        shape, tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp, lr=lr, virtual_pipeline=vpp
+    )
+    streams = [
+        synthetic_batches(shape.vocab_size, shape.seq_length, cfg.micro_batch_size, seed=7) for _ in range(vpp or 1)
+    ]
     return train(cfg, steps, streams if vpp else streams[0])
 
 

@@ -48,7 +48,7 @@ def test_compress_bytes_equal_reference(settings):
         x = _input(dist, numel, seed=numel) * 7
         x[13] = 0.0
         if numel > 256:
-            x[256:256 + settings["group_size"]] = 0.0  # an all-zero group
+            x[256 : 256 + settings["group_size"]] = 0.0  # an all-zero group
         expected = ref.compress(x.cpu())
         got = tri.compress(x)
         assert torch.equal(got.cpu(), expected), f"{dist}: {(got.cpu() != expected).sum()} bytes differ"
@@ -126,17 +126,22 @@ def test_nonfinite_groups_stay_nonfinite_in_every_dtype(in_dtype, out_dtype):
     x[300] = float("inf")
     message = codec.compress(x)
     _, _, scales_at = codec.settings.layout(x.numel())
-    scales = message[scales_at:scales_at + 4 * 8].view(torch.int32)
+    scales = message[scales_at : scales_at + 4 * 8].view(torch.int32)
     assert scales[2].item() & 0x7F800000 == 0x7F800000 and scales[2].item() & 0x7FFFFF, "group 2's scale is NaN"
     scales[2] = 0x7FFFFFFF
     for backend in ("triton", "torch"):
-        out = TacoCodec(backend=backend).decompress(message.to(DEVICE if backend == "triton" else "cpu"),
-                                                    x.shape, out_dtype).cpu()
+        out = (
+            TacoCodec(backend=backend)
+            .decompress(message.to(DEVICE if backend == "triton" else "cpu"), x.shape, out_dtype)
+            .cpu()
+        )
         assert not torch.isfinite(out[256:384]).any(), backend
         assert torch.isfinite(torch.cat([out[:256], out[384:]])).all(), backend
 
 
-@pytest.mark.parametrize("settings", [SETTINGS[0], dict(group_size=128, scales="dual"), dict(group_size=64, scales="e8m0")], ids=_ids)
+@pytest.mark.parametrize(
+    "settings", [SETTINGS[0], dict(group_size=128, scales="dual"), dict(group_size=64, scales="e8m0")], ids=_ids
+)
 @pytest.mark.parametrize("n_ranks", [1, 2, 3, 4])
 def test_decompress_sum_matches_reference_and_float64(settings, n_ranks):
     ref = TacoCodec(**settings, backend="torch")
@@ -150,8 +155,13 @@ def test_decompress_sum_matches_reference_and_float64(settings, n_ranks):
     exact = sum(ref.decompress(b, (numel,)).double() for b in bufs)
     assert float((got.double() - exact).norm() / exact.norm()) <= 1e-6
     # and against an independent float64 decoder: the sum of every message's float64 decode
-    f64.check_decode(sum(x.cpu().double() for x in xs), ref.settings, None, got,
-                     reference=sum(f64.decode(b, ref.settings, numel) for b in bufs))
+    f64.check_decode(
+        sum(x.cpu().double() for x in xs),
+        ref.settings,
+        None,
+        got,
+        reference=sum(f64.decode(b, ref.settings, numel) for b in bufs),
+    )
     bf16 = tri.decompress_sum(bufs.to(DEVICE), (numel,), torch.bfloat16).cpu()
     assert torch.equal(bf16, expected.to(torch.bfloat16))
 

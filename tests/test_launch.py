@@ -10,18 +10,36 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STANDIN = os.path.join(ROOT, "tests", "standin", "pretrain_standin.py")
-MODEL_FLAGS = ["--num-layers", "3", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
-               "--max-position-embeddings", "32", "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
-               "--no-persist-layer-norm", "--no-masked-softmax-fusion", "--no-rope-fusion",
-               "--no-bias-gelu-fusion", "--no-bias-dropout-fusion"]
+MODEL_FLAGS = [
+    "--num-layers",
+    "3",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--transformer-impl",
+    "local",
+    "--no-gradient-accumulation-fusion",
+    "--no-persist-layer-norm",
+    "--no-masked-softmax-fusion",
+    "--no-rope-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion",
+]
 
 import megatron_taco.launch  # noqa: E402,F401  (its Python 3.11 shim lets megatron.training import)
 
 try:
     import megatron.training.arguments  # noqa: F401
 except ImportError:
-    pytest.skip("needs megatron.training (Megatron-LM's argument parser; in the megatron-core wheel from 0.17)",
-                allow_module_level=True)
+    pytest.skip(
+        "needs megatron.training (Megatron-LM's argument parser; in the megatron-core wheel from 0.17)",
+        allow_module_level=True,
+    )
 
 
 def _launch(tmp_path, *flags):
@@ -29,7 +47,11 @@ def _launch(tmp_path, *flags):
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_taco.launch", STANDIN, *MODEL_FLAGS, "--standin-out", str(out), *flags],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     report = json.loads(out.read_text()) if out.exists() else None
     return proc, report
@@ -69,8 +91,14 @@ def test_launcher_rejects_bad_flags_at_start_up(tmp_path, flags, message):
 
 
 def test_launcher_needs_a_script():
-    proc = subprocess.run([sys.executable, "-m", "megatron_taco.launch", "no_such_script.py"], cwd=ROOT,
-                          env=dict(os.environ, PYTHONPATH=ROOT), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_taco.launch", "no_such_script.py"],
+        cwd=ROOT,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode != 0 and "not found" in proc.stderr
 
 
@@ -120,8 +148,14 @@ def test_launcher_runs_the_scripts_own_checkout_and_says_which(tmp_path):
     script = tmp_path / "pretrain_gpt.py"
     script.write_text("import megatron.core\nprint('ran with', megatron.core.__file__)\n")
     env = dict(os.environ, PYTHONPATH=ROOT, PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, "-m", "megatron_taco.launch", str(script)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_taco.launch", str(script)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"megatron_taco: megatron-core {megatron.core.__version__} from {tmp_path}\n" in proc.stdout
     assert f"ran with {tmp_path}/megatron/core/__init__.py" in proc.stdout

@@ -27,8 +27,9 @@ def _expected_lr(step: int, style: str) -> float:
 
 
 def _schedule(style: str, steps: int):
-    cfg = TrainConfig(TINY_GPT, lr=PEAK, min_lr=FLOOR, lr_warmup_iters=WARMUP, lr_decay_style=style,
-                      lr_decay_iters=DECAY)
+    cfg = TrainConfig(
+        TINY_GPT, lr=PEAK, min_lr=FLOOR, lr_warmup_iters=WARMUP, lr_decay_style=style, lr_decay_iters=DECAY
+    )
     trainer = Trainer(cfg)
     data = synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, cfg.micro_batch_size, seed=1)
     history = []
@@ -65,8 +66,15 @@ def test_a_scaled_manifold_step_is_the_step_at_the_scaled_learning_rate():
 
 
 def _projection_per_step(steps: int):
-    cfg = TrainConfig(TINY_GPT, pipeline_parallel=2, lr=3e-3, lr_warmup_iters=2, lr_decay_style="cosine",
-                      lr_decay_iters=steps, mapl=MaplConfig(ratio=4))
+    cfg = TrainConfig(
+        TINY_GPT,
+        pipeline_parallel=2,
+        lr=3e-3,
+        lr_warmup_iters=2,
+        lr_decay_style="cosine",
+        lr_decay_iters=steps,
+        mapl=MaplConfig(ratio=4),
+    )
     trainer = Trainer(cfg)
     data = synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, cfg.micro_batch_size, seed=1)
     snapshots = [trainer.mapl_boundaries[0].projection.detach().clone()]
@@ -87,14 +95,17 @@ def test_mapl_projection_follows_the_schedule():
         assert all(torch.equal(a, b) for a, b in zip(u, snapshots[1 - rank]))
 
 
-@pytest.mark.parametrize("settings,message", [
-    (dict(lr_decay_style="cosine"), "--lr-decay-style cosine needs --lr-decay-iters"),
-    (dict(lr_decay_style="linear", lr_warmup_iters=10, lr_decay_iters=10), "--lr-decay-iters 10 must be larger"),
-    (dict(lr_decay_style="step", lr_decay_iters=10), "--lr-decay-style: invalid value 'step'"),
-    (dict(min_lr=1.0), "--min-lr: invalid value 1"),
-    (dict(lr=0.0), "--lr: invalid value 0"),
-    (dict(lr_warmup_iters=-1), "--lr-warmup-iters: invalid value -1"),
-])
+@pytest.mark.parametrize(
+    "settings,message",
+    [
+        (dict(lr_decay_style="cosine"), "--lr-decay-style cosine needs --lr-decay-iters"),
+        (dict(lr_decay_style="linear", lr_warmup_iters=10, lr_decay_iters=10), "--lr-decay-iters 10 must be larger"),
+        (dict(lr_decay_style="step", lr_decay_iters=10), "--lr-decay-style: invalid value 'step'"),
+        (dict(min_lr=1.0), "--min-lr: invalid value 1"),
+        (dict(lr=0.0), "--lr: invalid value 0"),
+        (dict(lr_warmup_iters=-1), "--lr-warmup-iters: invalid value -1"),
+    ],
+)
 def test_invalid_schedules_name_the_flag(settings, message):
     with pytest.raises(ValueError, match=message):
         TrainConfig(TINY_GPT, **settings)
@@ -102,7 +113,17 @@ def test_invalid_schedules_name_the_flag(settings, message):
 
 def test_the_schedule_is_described_in_words_for_the_log():
     assert TrainConfig(TINY_GPT, lr=1e-3).lr_schedule_summary == "lr 0.001, then constant"
-    cosine = TrainConfig(TINY_GPT, pipeline_parallel=2, lr=1e-3, min_lr=1e-4, lr_warmup_iters=10,
-                         lr_decay_style="cosine", lr_decay_iters=100, mapl=MaplConfig(ratio=4))
-    assert cosine.lr_schedule_summary == ("lr 0.001, 10 warm-up steps from 0, cosine decay to 0.0001 at step 100 "
-                                          "(MAPL's manifold lr follows the same factor)")
+    cosine = TrainConfig(
+        TINY_GPT,
+        pipeline_parallel=2,
+        lr=1e-3,
+        min_lr=1e-4,
+        lr_warmup_iters=10,
+        lr_decay_style="cosine",
+        lr_decay_iters=100,
+        mapl=MaplConfig(ratio=4),
+    )
+    assert cosine.lr_schedule_summary == (
+        "lr 0.001, 10 warm-up steps from 0, cosine decay to 0.0001 at step 100 "
+        "(MAPL's manifold lr follows the same factor)"
+    )

@@ -62,8 +62,15 @@ def _train(mapl, steps, tp=1, pp=2, sp=False, count_p2p=False):
         p is b.projection for b in trainer.mapl_boundaries for g in trainer.optimizer.param_groups for p in g["params"]
     )
     trainer.close()
-    return dict(losses=losses, projections=projections, anchors=anchors, position_anchors=position_anchors,
-                context_anchors=context_anchors, shapes=shapes, in_optimizer=in_optimizer)
+    return dict(
+        losses=losses,
+        projections=projections,
+        anchors=anchors,
+        position_anchors=position_anchors,
+        context_anchors=context_anchors,
+        shapes=shapes,
+        in_optimizer=in_optimizer,
+    )
 
 
 def test_wire_carries_r_wide_tensors_forward_and_backward():
@@ -91,7 +98,9 @@ def test_replicas_stay_bit_identical_and_u_stays_on_the_manifold_over_200_steps(
     assert torch.equal(results[0]["anchors"][0], results[1]["anchors"][0])
     assert orthogonality_error(u0) <= 1e-5
     assert not results[0]["in_optimizer"], "U must not be trained by Adam (no weight decay)"
-    initial = random_stiefel(TINY_GPT.hidden_size, TINY_GPT.hidden_size // 4, torch.Generator().manual_seed(1234 * 7919))
+    initial = random_stiefel(
+        TINY_GPT.hidden_size, TINY_GPT.hidden_size // 4, torch.Generator().manual_seed(1234 * 7919)
+    )
     assert not torch.equal(u0, initial), "U must have been updated"
     losses = results[0]["losses"]
     assert sum(losses[-10:]) / 10 < 0.7 * sum(losses[:10]) / 10
@@ -102,8 +111,9 @@ def _anchors_at_the_start(tp: int, pp: int, mapl: MaplConfig) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    trainer = Trainer(TrainConfig(TINY_GPT, tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=tp > 1,
-                                  mapl=mapl))
+    trainer = Trainer(
+        TrainConfig(TINY_GPT, tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=tp > 1, mapl=mapl)
+    )
     tables = None
     if parallel_state.is_pipeline_first_stage():
         embedding = trainer._mapl_stages[0].module.embedding
@@ -111,37 +121,43 @@ def _anchors_at_the_start(tp: int, pp: int, mapl: MaplConfig) -> dict:
         shards = [torch.empty_like(shard) for _ in range(tp)]
         dist.all_gather(shards, shard, group=parallel_state.get_tensor_model_parallel_group())
         tables = (torch.cat(shards).double(), embedding.position_embeddings.weight.detach().double())
-    anchors = [(b.anchor_embedding.detach().double() @ b.anchor_basis.detach().double(),
-                b.anchor_position.detach().double() @ b.anchor_basis.detach().double() if b.positions else None)
-               for b in trainer.mapl_boundaries]
+    anchors = [
+        (
+            b.anchor_embedding.detach().double() @ b.anchor_basis.detach().double(),
+            b.anchor_position.detach().double() @ b.anchor_basis.detach().double() if b.positions else None,
+        )
+        for b in trainer.mapl_boundaries
+    ]
     trainer.close()
     return dict(tables=tables, anchors=anchors)
 
 
 @pytest.mark.parametrize("anchor_rank", [TINY_GPT.hidden_size, 16], ids=["k=d", "k<d"])
 def test_anchors_start_as_the_best_rank_k_approximation_of_the_embedding(anchor_rank):
-    results = run_distributed(_anchors_at_the_start, 2, 1, 2, MaplConfig(ratio=4, anchor_rank=anchor_rank),
-                              timeout=120)
+    results = run_distributed(_anchors_at_the_start, 2, 1, 2, MaplConfig(ratio=4, anchor_rank=anchor_rank), timeout=120)
     word, position = results[0]["tables"]
     # float64 reference: project both tables on the top-k right singular vectors of the stacked tables
     right = torch.linalg.svd(torch.cat([word, position]), full_matrices=False)[2][:anchor_rank]
     projector = right.T @ right
     for rank, result in enumerate(results):
-        (tokens, positions), = result["anchors"]
+        ((tokens, positions),) = result["anchors"]
         scale = float(word.abs().max())
         assert float((tokens - word @ projector).abs().max()) <= 1e-5 * scale, rank
         assert float((positions - position @ projector).abs().max()) <= 1e-5 * scale, rank
     if anchor_rank == TINY_GPT.hidden_size:  # full rank: the anchors are the embedding itself
-        assert torch.allclose(tokens, word, atol=1e-5 * scale) and torch.allclose(positions, position, atol=1e-5 * scale)
+        assert torch.allclose(tokens, word, atol=1e-5 * scale) and torch.allclose(
+            positions, position, atol=1e-5 * scale
+        )
 
 
 def test_anchors_start_identically_on_every_rank_of_a_tp2_pp2_layout():
-    results = run_distributed(_anchors_at_the_start, 4, 2, 2, MaplConfig(ratio=4, anchor_rank=TINY_GPT.hidden_size),
-                              timeout=180)
+    results = run_distributed(
+        _anchors_at_the_start, 4, 2, 2, MaplConfig(ratio=4, anchor_rank=TINY_GPT.hidden_size), timeout=180
+    )
     word, position = next(r["tables"] for r in results if r["tables"] is not None)
     first = results[0]["anchors"][0]
     for result in results:
-        (tokens, positions), = result["anchors"]
+        ((tokens, positions),) = result["anchors"]
         assert torch.equal(tokens, first[0]) and torch.equal(positions, first[1])
     # the vocabulary-parallel table was gathered: every row of the whole vocabulary is anchored
     assert torch.allclose(first[0], word, atol=1e-5 * float(word.abs().max()))
@@ -150,7 +166,7 @@ def test_anchors_start_identically_on_every_rank_of_a_tp2_pp2_layout():
 def test_random_anchor_start_keeps_the_seeded_noise():
     results = run_distributed(_anchors_at_the_start, 2, 1, 2, MaplConfig(ratio=4, anchor_init="random"), timeout=120)
     word, _ = results[0]["tables"]
-    (tokens, _), = results[0]["anchors"]
+    ((tokens, _),) = results[0]["anchors"]
     assert float((tokens - word).norm()) > 0.5 * float(word.norm())
 
 
@@ -170,8 +186,9 @@ def _codec_operators_of_a_profiled_step() -> dict:
     from megatron_taco.mapl.stage import CODEC_RANGE
     from megatron_taco.testing.profiling import codec_operators
 
-    trainer = Trainer(TrainConfig(TINY_GPT, pipeline_parallel=2, micro_batch_size=2, num_microbatches=2,
-                                  mapl=MaplConfig(ratio=4)))
+    trainer = Trainer(
+        TrainConfig(TINY_GPT, pipeline_parallel=2, micro_batch_size=2, num_microbatches=2, mapl=MaplConfig(ratio=4))
+    )
     data = synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, 2, seed=1)
     trainer.train_step(data)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -216,8 +233,9 @@ def test_position_anchors_are_exact_and_depend_on_the_position():
     positions = torch.arange(32).unsqueeze(1).expand(32, 2)
     z = torch.randn(32, 2, 8, generator=gen, dtype=torch.float64)
     with torch.no_grad():
-        anchors = (codec.anchor_embedding[tokens].double() + codec.anchor_position[positions].double()) \
-            @ codec.anchor_basis.double()
+        anchors = (
+            codec.anchor_embedding[tokens].double() + codec.anchor_position[positions].double()
+        ) @ codec.anchor_basis.double()
         hidden = anchors + z @ codec.projection.double().T
         rebuilt = codec.reconstruct(codec.project(hidden.float(), tokens, positions), tokens, torch.float32, positions)
         assert float((rebuilt.double() - hidden).norm() / hidden.norm()) <= 1e-5
@@ -239,19 +257,22 @@ def test_context_anchors_are_exact_and_see_the_previous_tokens():
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, vocab, (2, seq), generator=gen)  # [b, s], as the data iterator gives them
     tokens = ids.T
-    before = lambda j: torch.cat([torch.full((2, j), vocab), ids[:, :seq - j]], dim=1).T  # noqa: E731
+    before = lambda j: torch.cat([torch.full((2, j), vocab), ids[:, : seq - j]], dim=1).T  # noqa: E731
     previous = torch.stack([before(1), before(2)])
     z = torch.randn(seq, 2, 8, generator=gen, dtype=torch.float64)
     with torch.no_grad():
         coefficients = codec.anchor_embedding[tokens].double() + sum(
-            codec.anchor_context[j].double()[previous[j]] for j in range(2))
+            codec.anchor_context[j].double()[previous[j]] for j in range(2)
+        )
         hidden = coefficients @ codec.anchor_basis.double() + z @ codec.projection.double().T
-        rebuilt = codec.reconstruct(codec.project(hidden.float(), tokens, None, previous), tokens, torch.float32,
-                                    None, previous)
+        rebuilt = codec.reconstruct(
+            codec.project(hidden.float(), tokens, None, previous), tokens, torch.float32, None, previous
+        )
         assert float((rebuilt.double() - hidden).norm() / hidden.norm()) <= 1e-5
         shifted = codec.reconstruct(torch.zeros(seq, 2, 8), tokens, torch.float32, None, previous.roll(1, dims=1))
-        assert not torch.allclose(shifted, codec.reconstruct(torch.zeros(seq, 2, 8), tokens, torch.float32, None,
-                                                             previous))
+        assert not torch.allclose(
+            shifted, codec.reconstruct(torch.zeros(seq, 2, 8), tokens, torch.float32, None, previous)
+        )
 
 
 def _previous_tokens_under_sequence_parallelism(ids):
@@ -340,7 +361,8 @@ def test_each_boundary_can_have_its_own_rank():
     expected = {0: 32, 1: 16, 2: 8}
     for stage, (losses, projections, widths) in enumerate(results):
         assert {b: u.shape[1] for b, u in projections.items()} == {
-            b: r for b, r in expected.items() if b in (stage - 1, stage)}
+            b: r for b, r in expected.items() if b in (stage - 1, stage)
+        }
         assert widths == {expected[b] for b in projections}, (stage, widths)
     for b in expected:
         assert torch.equal(results[b][1][b], results[b + 1][1][b])
@@ -348,8 +370,15 @@ def test_each_boundary_can_have_its_own_rank():
 
 
 def test_projection_stays_an_fp32_leaf_through_moves_and_half_casts():
-    codec = BoundaryCodec(hidden_size=16, rank=4, vocab_size=10, anchor_rank=2, seed=0, boundary=0,
-                          vq=ResidualVQ(4, 2, 8, 0.9, 0, 1e-3, seed=0))
+    codec = BoundaryCodec(
+        hidden_size=16,
+        rank=4,
+        vocab_size=10,
+        anchor_rank=2,
+        seed=0,
+        boundary=0,
+        vq=ResidualVQ(4, 2, 8, 0.9, 0, 1e-3, seed=0),
+    )
     initial = codec.projection.detach().clone()
     codec.bfloat16()  # what Float16Module does to the whole model
     assert torch.equal(codec.projection, initial), "U must not be rounded to bf16"
@@ -364,7 +393,9 @@ def test_projection_stays_an_fp32_leaf_through_moves_and_half_casts():
 
 def test_fixed_projection_baseline_keeps_u():
     results = run_distributed(_train, 2, MaplConfig(ratio=4, fixed_projection=True, anchor_rank=0), 5, timeout=120)
-    initial = random_stiefel(TINY_GPT.hidden_size, TINY_GPT.hidden_size // 4, torch.Generator().manual_seed(1234 * 7919))
+    initial = random_stiefel(
+        TINY_GPT.hidden_size, TINY_GPT.hidden_size // 4, torch.Generator().manual_seed(1234 * 7919)
+    )
     assert torch.equal(results[0]["projections"][0], initial)
 
 
@@ -388,14 +419,17 @@ def _parse(argv):
         (["--mapl-ratio", "4", "--mapl-vq-levels", "2", "--mapl-vq-codes", "65536"], "--mapl-vq-codes"),
         (["--mapl-ratio", "4", "--mapl-vq-levels", "2", "--mapl-vq-decay", "1"], "--mapl-vq-decay"),
         (["--mapl-ratio", "4", "--mapl-vq-levels", "2", "--mapl-vq-sync-rows", "-3"], "--mapl-vq-sync-rows"),
-        (["--mapl-ratio", "4", "--mapl-vq-levels", "2", "--mapl-vq-sync-tolerance", "-1"],
-         "--mapl-vq-sync-tolerance"),
+        (["--mapl-ratio", "4", "--mapl-vq-levels", "2", "--mapl-vq-sync-tolerance", "-1"], "--mapl-vq-sync-tolerance"),
         (["--mapl-ratio", "4", "--mapl-position-anchors", "on", "--mapl-anchor-rank", "0"], "--mapl-position-anchors"),
         (["--mapl-ratio", "4", "--mapl-context-anchors", "-1"], "--mapl-context-anchors: invalid value -1"),
-        (["--mapl-ratio", "4", "--mapl-context-anchors", "2", "--mapl-anchor-rank", "0"],
-         "--mapl-context-anchors needs token anchors"),
-        (["--mapl-ratio", "4", "--mapl-context-anchors", "2", "--mapl-fixed-projection"],
-         "--mapl-context-anchors needs token anchors"),
+        (
+            ["--mapl-ratio", "4", "--mapl-context-anchors", "2", "--mapl-anchor-rank", "0"],
+            "--mapl-context-anchors needs token anchors",
+        ),
+        (
+            ["--mapl-ratio", "4", "--mapl-context-anchors", "2", "--mapl-fixed-projection"],
+            "--mapl-context-anchors needs token anchors",
+        ),
     ],
 )
 def test_invalid_mapl_flags_name_the_flag(argv, flag):
@@ -403,13 +437,16 @@ def test_invalid_mapl_flags_name_the_flag(argv, flag):
         _parse(argv)
 
 
-@pytest.mark.parametrize("argv,named", [
-    (["--mapl-vq-levels", "2"], "--mapl-vq-levels"),
-    (["--mapl-anchor-rank", "4", "--mapl-fixed-projection"], "--mapl-anchor-rank, --mapl-fixed-projection"),
-    (["--mapl-position-anchors", "off"], "--mapl-position-anchors"),
-    (["--mapl-anchor-init", "random"], "--mapl-anchor-init"),
-    (["--mapl-context-anchors", "1"], "--mapl-context-anchors"),
-])
+@pytest.mark.parametrize(
+    "argv,named",
+    [
+        (["--mapl-vq-levels", "2"], "--mapl-vq-levels"),
+        (["--mapl-anchor-rank", "4", "--mapl-fixed-projection"], "--mapl-anchor-rank, --mapl-fixed-projection"),
+        (["--mapl-position-anchors", "off"], "--mapl-position-anchors"),
+        (["--mapl-anchor-init", "random"], "--mapl-anchor-init"),
+        (["--mapl-context-anchors", "1"], "--mapl-context-anchors"),
+    ],
+)
 def test_mapl_flags_without_a_rank_are_rejected(argv, named):
     with pytest.raises(MaplConfigError, match=f"{named} given without --mapl-ratio"):
         _parse(argv)

@@ -134,8 +134,7 @@ def test_sync_budget_streams_at_most_that_many_code_words_per_step():
 
 
 def test_tp2_pp2_sequence_parallel_keeps_every_pair_identical():
-    results = run_distributed(_train_vq, 4, 6, MaplConfig(ratio=4, vq_levels=1, vq_codes=16), 2, 2, True,
-                              timeout=300)
+    results = run_distributed(_train_vq, 4, 6, MaplConfig(ratio=4, vq_levels=1, vq_codes=16), 2, 2, True, timeout=300)
     # ranks: TP fastest, then PP; pairs (0, 2) and (1, 3); SP statistics are summed over TP
     final = [r["books"][-1][0] for r in results]
     assert all(torch.equal(final[0], book) for book in final[1:])
@@ -143,8 +142,9 @@ def test_tp2_pp2_sequence_parallel_keeps_every_pair_identical():
 
 
 def _train_vq_interleaved(steps):
-    cfg = TrainConfig(TINY_GPT, pipeline_parallel=2, virtual_pipeline=2, lr=3e-3,
-                      mapl=MaplConfig(ratio=4, vq_levels=2, vq_codes=32))
+    cfg = TrainConfig(
+        TINY_GPT, pipeline_parallel=2, virtual_pipeline=2, lr=3e-3, mapl=MaplConfig(ratio=4, vq_levels=2, vq_codes=32)
+    )
     trainer = Trainer(cfg)
     streams = [synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, 2, seed=1) for _ in range(2)]
     with recording_p2p() as recorded:

@@ -18,11 +18,14 @@ from megatron_taco.testing.models import TINY_GPT, TINY_QWEN
 try:
     import megatron.training.models.gpt  # noqa: F401
 except ImportError:
-    pytest.skip("needs megatron.training.models (Megatron-LM's builders; in the megatron-core wheel from 0.19)",
-                allow_module_level=True)
+    pytest.skip(
+        "needs megatron.training.models (Megatron-LM's builders; in the megatron-core wheel from 0.19)",
+        allow_module_level=True,
+    )
 
-SELECTION = TacoConfig(default=LinearSettings(mode="fp8-ash", linears=frozenset({"qkv", "fc2"})),
-                       layers=((2, 3),), min_bytes=0)
+SELECTION = TacoConfig(
+    default=LinearSettings(mode="fp8-ash", linears=frozenset({"qkv", "fc2"})), layers=((2, 3),), min_bytes=0
+)
 
 
 def _build_and_step(shape, how: str, taco: TacoConfig):
@@ -46,24 +49,37 @@ def _build_and_step(shape, how: str, taco: TacoConfig):
     model_parallel_cuda_manual_seed(3)
     launch.install_hooks()
     launch._STATE["taco"] = taco
-    config = make_transformer_config(shape, tensor_parallel=2, pipeline_parallel=1, sequence_parallel=True,
-                                     params_dtype=torch.float32, extra={**LOCAL_SPEC_CONFIG, **cpu_config_overrides()})
+    config = make_transformer_config(
+        shape,
+        tensor_parallel=2,
+        pipeline_parallel=1,
+        sequence_parallel=True,
+        params_dtype=torch.float32,
+        extra={**LOCAL_SPEC_CONFIG, **cpu_config_overrides()},
+    )
     config.transformer_impl = "local"
-    model_kwargs = dict(vocab_size=shape.vocab_size, max_sequence_length=shape.seq_length,
-                        position_embedding_type=shape.position_embedding,
-                        share_embeddings_and_output_weights=shape.position_embedding != "rope")
+    model_kwargs = dict(
+        vocab_size=shape.vocab_size,
+        max_sequence_length=shape.seq_length,
+        position_embedding_type=shape.position_embedding,
+        share_embeddings_and_output_weights=shape.position_embedding != "rope",
+    )
     if how == "megatron_lm_builder":  # Megatron-LM 0.19: default_layer_spec -> positional spec call
-        model_config = GPTModelConfig(transformer=config, vocab_size=shape.vocab_size, seq_length=shape.seq_length,
-                                      position_embedding_type=shape.position_embedding,
-                                      share_embeddings_and_output_weights=model_kwargs[
-                                          "share_embeddings_and_output_weights"])
+        model_config = GPTModelConfig(
+            transformer=config,
+            vocab_size=shape.vocab_size,
+            seq_length=shape.seq_length,
+            position_embedding_type=shape.position_embedding,
+            share_embeddings_and_output_weights=model_kwargs["share_embeddings_and_output_weights"],
+        )
         model = GPTModelBuilder(model_config).build_model(ProcessGroupCollection.use_mpu_process_groups())
     elif how == "positional":  # as gpt_builders.py calls it
         spec = get_gpt_layer_local_spec(None, False, False, False, None, normalization=shape.normalization)
         model = GPTModel(config, spec, **model_kwargs)
     else:
-        spec = get_gpt_layer_local_spec(num_experts=None, moe_grouped_gemm=False, qk_layernorm=False,
-                                        normalization=shape.normalization)
+        spec = get_gpt_layer_local_spec(
+            num_experts=None, moe_grouped_gemm=False, qk_layernorm=False, normalization=shape.normalization
+        )
         model = GPTModel(config, spec, **model_kwargs)
 
     TELEMETRY.reset()
@@ -115,11 +131,20 @@ def _moe_start_up_line():
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(3)
     moe = {"num_moe_experts": 2, "moe_router_topk": 1, "moe_router_pre_softmax": True, "moe_ffn_hidden_size": 128}
-    config = make_transformer_config(TINY_GPT, tensor_parallel=1, pipeline_parallel=1, sequence_parallel=False,
-                                     params_dtype=torch.float32,
-                                     extra={**LOCAL_SPEC_CONFIG, **cpu_config_overrides(), **moe})
-    model = GPTModel(config, get_gpt_layer_local_spec(2, False, False, False, None), vocab_size=128,
-                     max_sequence_length=TINY_GPT.seq_length)
+    config = make_transformer_config(
+        TINY_GPT,
+        tensor_parallel=1,
+        pipeline_parallel=1,
+        sequence_parallel=False,
+        params_dtype=torch.float32,
+        extra={**LOCAL_SPEC_CONFIG, **cpu_config_overrides(), **moe},
+    )
+    model = GPTModel(
+        config,
+        get_gpt_layer_local_spec(2, False, False, False, None),
+        vocab_size=128,
+        max_sequence_length=TINY_GPT.seq_length,
+    )
     return attach_taco([model], TacoConfig(default=LinearSettings(mode="fp8-ash"), min_bytes=0)).describe()
 
 

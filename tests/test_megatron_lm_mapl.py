@@ -15,16 +15,48 @@ from megatron_taco.testing.distributed import run_distributed
 try:
     import megatron.training.models.gpt  # noqa: F401
 except ImportError:
-    pytest.skip("needs Megatron-LM's training package with its model builder (the megatron-core 0.19 wheel)",
-                allow_module_level=True)
+    pytest.skip(
+        "needs Megatron-LM's training package with its model builder (the megatron-core 0.19 wheel)",
+        allow_module_level=True,
+    )
 
 SEQ, MICRO_BATCH, MICRO_BATCHES, VOCAB = 16, 2, 2, 128
-FLAGS = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", str(SEQ),
-         "--max-position-embeddings", str(SEQ), "--transformer-impl", "local", "--no-gradient-accumulation-fusion",
-         "--no-persist-layer-norm", "--no-masked-softmax-fusion", "--no-rope-fusion", "--no-bias-gelu-fusion",
-         "--no-bias-dropout-fusion", "--pipeline-model-parallel-size", "2", "--micro-batch-size", str(MICRO_BATCH),
-         "--global-batch-size", str(MICRO_BATCH * MICRO_BATCHES), "--lr", "1e-2", "--seed", "1234",
-         "--attention-dropout", "0", "--hidden-dropout", "0", "--vocab-size", str(VOCAB)]
+FLAGS = [
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "32",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    str(SEQ),
+    "--max-position-embeddings",
+    str(SEQ),
+    "--transformer-impl",
+    "local",
+    "--no-gradient-accumulation-fusion",
+    "--no-persist-layer-norm",
+    "--no-masked-softmax-fusion",
+    "--no-rope-fusion",
+    "--no-bias-gelu-fusion",
+    "--no-bias-dropout-fusion",
+    "--pipeline-model-parallel-size",
+    "2",
+    "--micro-batch-size",
+    str(MICRO_BATCH),
+    "--global-batch-size",
+    str(MICRO_BATCH * MICRO_BATCHES),
+    "--lr",
+    "1e-2",
+    "--seed",
+    "1234",
+    "--attention-dropout",
+    "0",
+    "--hidden-dropout",
+    "0",
+    "--vocab-size",
+    str(VOCAB),
+]
 
 
 def _megatron_lm_steps(mapl_flags, steps):
@@ -60,7 +92,8 @@ def _megatron_lm_steps(mapl_flags, steps):
         setattr(config, key, value)
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
     model = GPTModelBuilder(GPTModelConfig(transformer=config, vocab_size=VOCAB, seq_length=SEQ)).build_model(
-        ProcessGroupCollection.use_mpu_process_groups(), pre_process=first, post_process=last)
+        ProcessGroupCollection.use_mpu_process_groups(), pre_process=first, post_process=last
+    )
     chunks = [DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)]
     optimizer = training.get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, clip_grad=1.0), chunks)
     config.finalize_model_grads_func = training.finalize_model_grads
@@ -77,14 +110,29 @@ def _megatron_lm_steps(mapl_flags, steps):
 
     def forward_step(data_iterator, model):
         sample = next(data_iterator)
-        batch = {"tokens": sample[:, :-1], "labels": sample[:, 1:], "loss_mask": torch.ones(MICRO_BATCH, SEQ),
-                 "position_ids": torch.arange(SEQ).expand(MICRO_BATCH, SEQ), "attention_mask": None}
+        batch = {
+            "tokens": sample[:, :-1],
+            "labels": sample[:, 1:],
+            "loss_mask": torch.ones(MICRO_BATCH, SEQ),
+            "position_ids": torch.arange(SEQ).expand(MICRO_BATCH, SEQ),
+            "attention_mask": None,
+        }
         batch = core_utils.get_batch_on_this_tp_rank(  # as pretrain_gpt.py calls it on TP rank 0
-            batch, has_cu_seqlens=False, is_hybrid_cp=False, create_attention_mask_in_dataloader=False,
+            batch,
+            has_cu_seqlens=False,
+            is_hybrid_cp=False,
+            create_attention_mask_in_dataloader=False,
             broadcast_src_rank=parallel_state.get_tensor_model_parallel_src_rank(),
-            broadcast_group=parallel_state.get_tensor_model_parallel_group(), cp_size=1, tp_rank=0,
-            micro_batch_size=MICRO_BATCH, seq_length=SEQ, mtp_on_this_rank=False, pipeline_model_parallel_size=2,
-            is_pipeline_first_stage=first, is_pipeline_last_stage=last)
+            broadcast_group=parallel_state.get_tensor_model_parallel_group(),
+            cp_size=1,
+            tp_rank=0,
+            micro_batch_size=MICRO_BATCH,
+            seq_length=SEQ,
+            mtp_on_this_rank=False,
+            pipeline_model_parallel_size=2,
+            is_pipeline_first_stage=first,
+            is_pipeline_last_stage=last,
+        )
         tokens_seen.append(batch["tokens"] is not None)
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
 
@@ -101,9 +149,15 @@ def _megatron_lm_steps(mapl_flags, steps):
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         with recording_p2p() as sent:
-            reports = schedule(forward_step_func=forward_step, data_iterator=stream, model=chunks,
-                               num_microbatches=MICRO_BATCHES, seq_length=SEQ, micro_batch_size=MICRO_BATCH,
-                               forward_only=False)
+            reports = schedule(
+                forward_step_func=forward_step,
+                data_iterator=stream,
+                model=chunks,
+                num_microbatches=MICRO_BATCHES,
+                seq_length=SEQ,
+                micro_batch_size=MICRO_BATCH,
+                forward_only=False,
+            )
         shapes += sorted({shape for _, _, shape in sent})
         updated, _, _ = optimizer.step()
         assert updated

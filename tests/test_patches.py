@@ -50,9 +50,11 @@ def test_every_megatron_taco_name_the_patch_calls_exists(path):
 
 
 # The lines around the patch's insertion point in Megatron-LM 0.16-0.19's pretrain_gpt.py.
-PRETRAIN_GPT_HEAD = ("from typing import List, Optional, Tuple\n\nimport torch\n\nfrom gpt_builders import gpt_builder\n"
-                     "from megatron.core import mpu\nfrom megatron.core.datasets.blended_megatron_dataset_builder "
-                     "import BlendedMegatronDatasetBuilder\nprint('training')\n")
+PRETRAIN_GPT_HEAD = (
+    "from typing import List, Optional, Tuple\n\nimport torch\n\nfrom gpt_builders import gpt_builder\n"
+    "from megatron.core import mpu\nfrom megatron.core.datasets.blended_megatron_dataset_builder "
+    "import BlendedMegatronDatasetBuilder\nprint('training')\n"
+)
 
 
 def _fake_checkout(tmp_path, minor, body=PRETRAIN_GPT_HEAD):
@@ -63,8 +65,12 @@ def _fake_checkout(tmp_path, minor, body=PRETRAIN_GPT_HEAD):
 
 
 def _apply(directory):
-    return subprocess.run(["bash", os.path.join(ROOT, "scripts", "apply_patch.sh"), str(directory)],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        ["bash", os.path.join(ROOT, "scripts", "apply_patch.sh"), str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.mark.parametrize("minor", [16, 17, 18, 19])

@@ -19,13 +19,15 @@ from megatron_taco.training.loop import TrainConfig, Trainer
 TACO = TacoConfig(default=LinearSettings(mode="fp8-ash"), min_bytes=0)
 NEEDS_TWO_GPUS_FOR_FP16 = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-    reason="needs 2 CUDA GPUs: megatron-core's fp16 optimizer takes CUDA tensors only")
+    reason="needs 2 CUDA GPUs: megatron-core's fp16 optimizer takes CUDA tensors only",
+)
 
 
 def _losses(taco, mapl, tp, pp, sp, steps=5, dtype="fp32"):
     """Per-step losses and grad norms (from the last stage), and a checksum of this rank's final weights."""
-    cfg = TrainConfig(TINY_GPT, tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp, taco=taco, mapl=mapl,
-                      dtype=dtype)
+    cfg = TrainConfig(
+        TINY_GPT, tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp, taco=taco, mapl=mapl, dtype=dtype
+    )
     trainer = Trainer(cfg)
     data = synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, cfg.micro_batch_size, seed=3)
     history = [(stats["loss"], stats["grad_norm"]) for stats in (trainer.train_step(data) for _ in range(steps))]
@@ -34,8 +36,11 @@ def _losses(taco, mapl, tp, pp, sp, steps=5, dtype="fp32"):
     return history, weights
 
 
-DETERMINISM_CASES = [(TACO, None, 2, 1, True), (None, MaplConfig(ratio=4), 1, 2, False),
-                     (None, MaplConfig(ratio=4, vq_levels=2, vq_codes=32), 1, 2, False)]
+DETERMINISM_CASES = [
+    (TACO, None, 2, 1, True),
+    (None, MaplConfig(ratio=4), 1, 2, False),
+    (None, MaplConfig(ratio=4, vq_levels=2, vq_codes=32), 1, 2, False),
+]
 DETERMINISM_IDS = ["taco-tp2-sp", "mapl-pp2", "mapl-vq-pp2"]
 
 
@@ -46,14 +51,17 @@ def test_same_seed_gives_bit_identical_losses(taco, mapl, tp, pp, sp):
     assert first == second
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2,
-                    reason="needs 2 CUDA GPUs (NCCL): the GPU half of the determinism check")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.device_count() < 2,
+    reason="needs 2 CUDA GPUs (NCCL): the GPU half of the determinism check",
+)
 @pytest.mark.parametrize("taco,mapl,tp,pp,sp", DETERMINISM_CASES, ids=DETERMINISM_IDS)
 def test_same_seed_gives_bit_identical_gpu_trainings(taco, mapl, tp, pp, sp, monkeypatch):
     """bf16 on 2 GPUs over NCCL, 20 steps: losses, grad norms and every rank's weights equal bit for bit."""
     monkeypatch.setenv("TACO_TEST_START_METHOD", "spawn")  # CUDA cannot be used in forked children
-    runs = [run_distributed(_losses, 2, taco, mapl, tp, pp, sp, 20, "bf16", backend="nccl", timeout=300)
-            for _ in range(2)]
+    runs = [
+        run_distributed(_losses, 2, taco, mapl, tp, pp, sp, 20, "bf16", backend="nccl", timeout=300) for _ in range(2)
+    ]
     assert runs[0] == runs[1]
     assert all(torch.isfinite(torch.tensor(loss)) for loss, _ in runs[0][-1][0])
 
@@ -89,13 +97,15 @@ def _nan_in_pipeline_activation(mapl):
     trainer.train_step(data)
     if dist.get_rank() == 0:  # stage 0's layer-2 fc1 input goes NaN: the boundary must pass it on
         trainer.model.module.decoder.layers[1].mlp.linear_fc1.register_forward_pre_hook(
-            lambda module, inputs: (inputs[0].index_fill(0, torch.tensor([3]), float("nan")),))
+            lambda module, inputs: (inputs[0].index_fill(0, torch.tensor([3]), float("nan")),)
+        )
     trainer.train_step(data)
     return "no error"
 
 
-@pytest.mark.parametrize("mapl", [MaplConfig(ratio=4), MaplConfig(ratio=4, vq_levels=2, vq_codes=32)],
-                         ids=["mapl", "mapl-vq"])
+@pytest.mark.parametrize(
+    "mapl", [MaplConfig(ratio=4), MaplConfig(ratio=4, vq_levels=2, vq_codes=32)], ids=["mapl", "mapl-vq"]
+)
 def test_nan_before_a_mapl_boundary_trips_megatrons_nan_check(mapl):
     with pytest.raises(DistributedTestError, match="NaN"):
         run_distributed(_nan_in_pipeline_activation, 2, mapl, timeout=120)
@@ -118,8 +128,9 @@ def test_mapl_ranks_that_disagree_fail_on_both_sides_without_hanging():
 
 
 def _fp16_skips(taco, inject_at, steps=8):
-    cfg = TrainConfig(TINY_GPT, tensor_parallel=2, sequence_parallel=True, dtype="fp16", taco=taco,
-                      initial_loss_scale=2.0**10)
+    cfg = TrainConfig(
+        TINY_GPT, tensor_parallel=2, sequence_parallel=True, dtype="fp16", taco=taco, initial_loss_scale=2.0**10
+    )
     trainer = Trainer(cfg)
     data = synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, cfg.micro_batch_size, seed=3)
     state = {"step": 0}
@@ -128,8 +139,9 @@ def _fp16_skips(taco, inject_at, steps=8):
         # rank 1's layer-2 fc2 output gradient overflows at one step; in backward it enters the
         # (compressed, with TACO) sequence-parallel all-gather
         if state["step"] == inject_at and dist.get_rank() == 1 and output[0].requires_grad:
-            output[0].register_hook(lambda grad: grad.index_fill(0, torch.tensor([1], device=grad.device),
-                                                                  float("inf")))
+            output[0].register_hook(
+                lambda grad: grad.index_fill(0, torch.tensor([1], device=grad.device), float("inf"))
+            )
 
     trainer.model.module.decoder.layers[1].mlp.linear_fc2.register_forward_hook(overflow)
     history = []

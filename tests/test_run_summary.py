@@ -81,8 +81,10 @@ def _one(pattern, text):
 
 def _step_lines(text):
     """{step: (loss, tokens/s)} from the per-step lines."""
-    return {int(m[0]): (float(m[1]), float(m[2]))
-            for m in re.findall(r"^step (\d+)/\d+ \| loss ([\d.]+) .*\| (\d+) tokens/s", text, re.M)}
+    return {
+        int(m[0]): (float(m[1]), float(m[2]))
+        for m in re.findall(r"^step (\d+)/\d+ \| loss ([\d.]+) .*\| (\d+) tokens/s", text, re.M)
+    }
 
 
 def _check_steps_line(text, first, last, of, head="run summary: ", resumed=""):
@@ -90,9 +92,14 @@ def _check_steps_line(text, first, last, of, head="run summary: ", resumed=""):
     steps = _step_lines(text)
     assert sorted(steps) == list(range(first, last + 1))
     after = f"steps {first + 1}-{last}" if last > first + 1 else f"step {last}"
-    mean, first_rate = map(float, _one(
-        rf"^{re.escape(head)}{last - first + 1} steps \({first}-{last} of {of}{re.escape(resumed)}\) in [\d.]+ s; "
-        rf"(\d+) tokens/s mean over {after} \(step {first}, with start-up: (\d+) tokens/s\)$", text))
+    mean, first_rate = map(
+        float,
+        _one(
+            rf"^{re.escape(head)}{last - first + 1} steps \({first}-{last} of {of}{re.escape(resumed)}\) in [\d.]+ s; "
+            rf"(\d+) tokens/s mean over {after} \(step {first}, with start-up: (\d+) tokens/s\)$",
+            text,
+        ),
+    )
     # the mean of the later steps is total tokens over total time: the harmonic mean of their rates
     later = [steps[s][1] for s in range(first + 1, last + 1)]
     assert mean == pytest.approx(len(later) / sum(1 / r for r in later), rel=2e-3)
@@ -104,8 +111,8 @@ def test_taco_summary_counts_every_rank_and_the_whole_run_also_on_ctrl_c():
     """TP=2 + SP, fp8-ash on every message; telemetry lines every 2 steps reset the interval's records, Ctrl-C
     before step 4: the summary still counts all three steps of both ranks, then the one Ctrl-C line."""
     out, err, code, _ = run_distributed(
-        _trainer, 2, ["--config", TINY, "--train-iters", "100", "--taco-log-interval", "2"], stop_after=3,
-        timeout=300)[0]
+        _trainer, 2, ["--config", TINY, "--train-iters", "100", "--taco-log-interval", "2"], stop_after=3, timeout=300
+    )[0]
     assert code == 130
     assert err.strip().splitlines()[-1] == "interrupted (Ctrl-C) after step 3 of 100"
     steps = _check_steps_line(out, 1, 3, 100, head="run summary, stopped by Ctrl-C after step 3 of 100: ")
@@ -120,7 +127,9 @@ def test_taco_summary_counts_every_rank_and_the_whole_run_also_on_ctrl_c():
     wire = messages * 4 * sum(header + math.ceil(n / group) * (group + scale) for n in (shard, full))
     sent, uncompressed, ratio, compressed, calls = _one(
         rf"^run summary: TACO tensor-parallel traffic, all ranks, whole run: {NUM} sent vs "
-        rf"{NUM} uncompressed \(([\d.]+)x\); (\d+) of (\d+) messages compressed, sampled rel.err [\d.]+$", out)
+        rf"{NUM} uncompressed \(([\d.]+)x\); (\d+) of (\d+) messages compressed, sampled rel.err [\d.]+$",
+        out,
+    )
     assert _close(sent, wire) and _close(uncompressed, payload), (sent, wire, uncompressed, payload)
     assert float(ratio) == pytest.approx(payload / wire, abs=0.005)
     assert int(compressed) == int(calls) == messages * 8
@@ -129,8 +138,19 @@ def test_taco_summary_counts_every_rank_and_the_whole_run_also_on_ctrl_c():
     assert "mapl" not in out.lower()
 
 
-MAPL_PP2 = ["--config", TINY, "--tensor-model-parallel-size", "1", "--no-sequence-parallel",
-            "--pipeline-model-parallel-size", "2", "--taco-mode", "none", "--mapl-ratio", "4"]
+MAPL_PP2 = [
+    "--config",
+    TINY,
+    "--tensor-model-parallel-size",
+    "1",
+    "--no-sequence-parallel",
+    "--pipeline-model-parallel-size",
+    "2",
+    "--taco-mode",
+    "none",
+    "--mapl-ratio",
+    "4",
+]
 R = D // 4
 ANCHOR = 64  # --mapl-anchor-rank default
 # replica sync per step, both ranks of the boundary: U's gradient [d, r] and the anchor gradients (tokens
@@ -142,42 +162,62 @@ def test_mapl_pp2_lines_and_summary_count_the_boundary_traffic():
     """PP=2 at 4x on fp32 activations: per step, d-wide activations of every token would cross forward and
     backward; r-wide ones do. Validation's forward passes are not counted."""
     out, _, losses, scalars = run_distributed(
-        _trainer, 2, MAPL_PP2 + ["--train-iters", "4", "--taco-log-interval", "2", "--eval-iters", "1",
-                                 "--tensorboard-dir", "tb"], timeout=300)[0]
+        _trainer,
+        2,
+        MAPL_PP2 + ["--train-iters", "4", "--taco-log-interval", "2", "--eval-iters", "1", "--tensorboard-dir", "tb"],
+        timeout=300,
+    )[0]
     assert len(losses) == 4
     assert re.search(rf"^MAPL: 1 boundary, hidden {D} -> \[{R}\] \(4x\), ", out, re.M), out[:3000]
     steps = _check_steps_line(out, 1, 4, 4)
     validation = float(_one(r"^validation at step 4 \| loss ([\d.]+)$", out))
-    assert _one(r"^run summary: final loss ([\d.]+) \(step 4\); final validation loss ([\d.]+) \(step 4\)$", out) \
-        == (f"{steps[4][0]:.4f}", f"{validation:.4f}")
+    assert _one(r"^run summary: final loss ([\d.]+) \(step 4\); final validation loss ([\d.]+) \(step 4\)$", out) == (
+        f"{steps[4][0]:.4f}",
+        f"{validation:.4f}",
+    )
 
     full, wire = TOKENS * D * FP32, TOKENS * R * FP32
-    lines = re.findall(rf"^mapl boundary 0 \(stage 0 -> 1\) per step, all ranks: forward {NUM} -> {NUM} \(([\d.]+)x\), "
-                       rf"backward {NUM} -> {NUM} \(([\d.]+)x\), replica sync {NUM}$", out, re.M)
+    lines = re.findall(
+        rf"^mapl boundary 0 \(stage 0 -> 1\) per step, all ranks: forward {NUM} -> {NUM} \(([\d.]+)x\), "
+        rf"backward {NUM} -> {NUM} \(([\d.]+)x\), replica sync {NUM}$",
+        out,
+        re.M,
+    )
     assert len(lines) == 2 and lines[0] == lines[1], (lines, out[-3000:])  # steps 1-2, then 3-4 alone
     fwd_full, fwd_wire, fwd_ratio, bwd_full, bwd_wire, bwd_ratio, sync = lines[0]
     assert all(_close(text, full) for text in (fwd_full, bwd_full)), (fwd_full, bwd_full, full)
     assert all(_close(text, wire) for text in (fwd_wire, bwd_wire)), (fwd_wire, bwd_wire, wire)
     assert fwd_ratio == bwd_ratio == "4.00" and _close(sync, SYNC), (sync, SYNC)
-    totals = re.findall(rf"^mapl total over 2 steps, all boundaries and ranks: {NUM} -> {NUM} \(4.00x\); with replica "
-                        rf"sync {NUM} \(([\d.]+)x\)$", out, re.M)
+    totals = re.findall(
+        rf"^mapl total over 2 steps, all boundaries and ranks: {NUM} -> {NUM} \(4.00x\); with replica "
+        rf"sync {NUM} \(([\d.]+)x\)$",
+        out,
+        re.M,
+    )
     assert len(totals) == 2 and totals[0] == totals[1], totals
     total_full, total_wire, synced, with_sync = totals[0]
     assert _close(total_full, 2 * 2 * full) and _close(total_wire, 2 * 2 * wire)
-    assert _close(synced, 2 * (2 * wire + SYNC)) and float(with_sync) == pytest.approx(2 * full / (2 * wire + SYNC),
-                                                                                         abs=0.005)
+    assert _close(synced, 2 * (2 * wire + SYNC)) and float(with_sync) == pytest.approx(
+        2 * full / (2 * wire + SYNC), abs=0.005
+    )
     assert scalars[-1] == "closed"
     assert ("mapl/boundary_0/forward/wire_MiB_per_step", wire / 2**20, 2) in scalars, scalars
     assert ("mapl/boundary_0/backward/uncompressed_MiB_per_step", full / 2**20, 2) in scalars, scalars
 
-    per_step = _one(rf"^run summary: MAPL boundary 0 \(stage 0 -> 1\) per training step, all ranks: forward {NUM} "
-                    rf"sent vs {NUM} uncompressed \(4.00x\), backward {NUM} sent vs {NUM} uncompressed \(4.00x\), "
-                    rf"replica sync {NUM}$", out)
-    assert [_close(text, value) for text, value in zip(per_step, [wire, full, wire, full, SYNC])] == [True] * 5, \
+    per_step = _one(
+        rf"^run summary: MAPL boundary 0 \(stage 0 -> 1\) per training step, all ranks: forward {NUM} "
+        rf"sent vs {NUM} uncompressed \(4.00x\), backward {NUM} sent vs {NUM} uncompressed \(4.00x\), "
+        rf"replica sync {NUM}$",
+        out,
+    )
+    assert [_close(text, value) for text, value in zip(per_step, [wire, full, wire, full, SYNC])] == [True] * 5, (
         per_step
+    )
     total_wire, total_full, synced = _one(
         rf"^run summary: MAPL total, 4 training steps, all boundaries and ranks: {NUM} sent vs {NUM} uncompressed "
-        rf"\(4.00x\); with replica sync {NUM} sent \([\d.]+x\)$", out)
+        rf"\(4.00x\); with replica sync {NUM} sent \([\d.]+x\)$",
+        out,
+    )
     assert _close(total_wire, 4 * 2 * wire) and _close(total_full, 4 * 2 * full)
     assert _close(synced, 4 * (2 * wire + SYNC))
 
@@ -186,15 +226,18 @@ def test_mapl_vq_summary_of_a_resumed_run_counts_the_indices_sent(tmp_path):
     """Residual VQ, 2 levels of 32 codes: 2 one-byte indices per token, padded to one fp32 element, go forward;
     the r-wide gradient goes back; the code words streamed to the receiver add to the replica sync."""
     vq = MAPL_PP2 + ["--mapl-vq-levels", "2", "--mapl-vq-codes", "32"]
-    first = run_distributed(_trainer, 2, vq + ["--train-iters", "2", "--save", str(tmp_path),
-                                               "--taco-log-interval", "0"], timeout=300)[0][0]
+    first = run_distributed(
+        _trainer, 2, vq + ["--train-iters", "2", "--save", str(tmp_path), "--taco-log-interval", "0"], timeout=300
+    )[0][0]
     assert "run summary: 2 steps (1-2 of 2) in " in first
     assert "mapl boundary" not in first and "mapl total" not in first  # --taco-log-interval 0: no periodic lines
-    out, _, losses, _ = run_distributed(_trainer, 2, vq + ["--train-iters", "4", "--load", str(tmp_path),
-                                                           "--taco-log-interval", "3"], timeout=300)[0]
+    out, _, losses, _ = run_distributed(
+        _trainer, 2, vq + ["--train-iters", "4", "--load", str(tmp_path), "--taco-log-interval", "3"], timeout=300
+    )[0]
     assert len(losses) == 2
-    assert re.search(r"residual VQ 2 x 32 codes \(2 index bytes/token forward, sent as 4 bytes in float32\)$", out,
-                     re.M), out[:3000]
+    assert re.search(
+        r"residual VQ 2 x 32 codes \(2 index bytes/token forward, sent as 4 bytes in float32\)$", out, re.M
+    ), out[:3000]
     _check_steps_line(out, 3, 4, 4, resumed=", resumed from step 2")
     rows = [int(n) for n in re.findall(r"^step \d/4 .*\| (\d+) code words synced$", out, re.M)]  # rank 0 sends them
     assert len(rows) == 2
@@ -204,13 +247,18 @@ def test_mapl_vq_summary_of_a_resumed_run_counts_the_indices_sent(tmp_path):
     fwd_wire, fwd_full, fwd_ratio, bwd_wire, bwd_full, bwd_ratio, synced = _one(
         rf"^run summary: MAPL boundary 0 \(stage 0 -> 1\) per training step, all ranks: forward {NUM} sent vs {NUM} "
         rf"uncompressed \(([\d.]+)x\), backward {NUM} sent vs {NUM} uncompressed \(([\d.]+)x\), replica sync {NUM}$",
-        out)
+        out,
+    )
     assert _close(fwd_wire, index_wire) and _close(bwd_wire, grad_wire), (fwd_wire, bwd_wire)
     assert _close(fwd_full, full) and _close(bwd_full, full)
     assert (fwd_ratio, bwd_ratio) == (f"{full / index_wire:.2f}", "4.00")
     assert _close(synced, sync), (synced, sync)
-    assert re.search(rf"^run summary: MAPL total, 2 training steps, all boundaries and ranks: "
-                     rf"{NUM} sent vs {NUM} uncompressed \({2 * full / (index_wire + grad_wire):.2f}x\)", out, re.M)
+    assert re.search(
+        rf"^run summary: MAPL total, 2 training steps, all boundaries and ranks: "
+        rf"{NUM} sent vs {NUM} uncompressed \({2 * full / (index_wire + grad_wire):.2f}x\)",
+        out,
+        re.M,
+    )
     # the first periodic line after the resume covers step 3 alone
     fwd_full, fwd_wire = _one(rf"^mapl boundary 0 \(stage 0 -> 1\) per step, all ranks: forward {NUM} -> {NUM} ", out)
     assert _close(fwd_full, full) and _close(fwd_wire, index_wire), (fwd_full, fwd_wire)

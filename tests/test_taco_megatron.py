@@ -93,9 +93,12 @@ def test_per_layer_selection_compresses_exactly_the_chosen_layers():
     attached, records = run_distributed(_selection_worker, 2, taco, timeout=120)[0]
     assert attached == {"qkv": [3], "proj": [], "fc1": [2], "fc2": [2]}
     expected = {
-        ("layer 2 fc1", "all_gather", "fwd"), ("layer 2 fc1", "reduce_scatter", "bwd"),
-        ("layer 2 fc2", "reduce_scatter", "fwd"), ("layer 2 fc2", "all_gather", "bwd"),
-        ("layer 3 qkv", "all_gather", "fwd"), ("layer 3 qkv", "reduce_scatter", "bwd"),
+        ("layer 2 fc1", "all_gather", "fwd"),
+        ("layer 2 fc1", "reduce_scatter", "bwd"),
+        ("layer 2 fc2", "reduce_scatter", "fwd"),
+        ("layer 2 fc2", "all_gather", "bwd"),
+        ("layer 3 qkv", "all_gather", "fwd"),
+        ("layer 3 qkv", "reduce_scatter", "bwd"),
     }
     assert set(records) == expected
     micro_batches = 2
@@ -105,8 +108,14 @@ def test_per_layer_selection_compresses_exactly_the_chosen_layers():
         assert compressed == (0 if key == ("layer 3 qkv", "reduce_scatter", "bwd") else micro_batches), key
 
 
-_COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single",
-                "_all_gather_base", "_reduce_scatter_base")
+_COLLECTIVES = (
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_reduce",
+    "all_to_all_single",
+    "_all_gather_base",
+    "_reduce_scatter_base",
+)
 
 
 def _count_worker(taco):
@@ -129,10 +138,14 @@ def _count_worker(taco):
             ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
             tensor = args[1] if name != "all_reduce" else args[0]
             if ranks == tp_ranks:
-                key = (name, "compressed" if tensor.dtype == torch.uint8 else str(tensor.dtype).replace("torch.", ""),
-                       tuple(tensor.shape))
+                key = (
+                    name,
+                    "compressed" if tensor.dtype == torch.uint8 else str(tensor.dtype).replace("torch.", ""),
+                    tuple(tensor.shape),
+                )
                 counts[key] = counts.get(key, 0) + 1
             return originals[name](*args, **kwargs)
+
         return wrapper
 
     # megatron-core also holds aliases of the gather / reduce-scatter functions: count those too.
@@ -167,8 +180,11 @@ def test_count_of_tp_collectives_shows_which_were_compressed():
     s, b, h = TINY_GPT.seq_length, 2, TINY_GPT.hidden_size
 
     def activation_sized(table):
-        return sum(n for (_, kind, shape), n in table.items()
-                   if kind != "compressed" and torch.Size(shape).numel() >= s * b * h // 2)
+        return sum(
+            n
+            for (_, kind, shape), n in table.items()
+            if kind != "compressed" and torch.Size(shape).numel() >= s * b * h // 2
+        )
 
     assert activation_sized(counts) == 5 * micro_batches, counts
     # Site for site, the compressed run replaces the stock run's activation collectives, except
@@ -179,8 +195,12 @@ def test_count_of_tp_collectives_shows_which_were_compressed():
 
 
 TINY_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "gpt-tiny.yaml")
-_LINEAR_PATHS = {"qkv": ("self_attention", "linear_qkv"), "proj": ("self_attention", "linear_proj"),
-                 "fc1": ("mlp", "linear_fc1"), "fc2": ("mlp", "linear_fc2")}
+_LINEAR_PATHS = {
+    "qkv": ("self_attention", "linear_qkv"),
+    "proj": ("self_attention", "linear_proj"),
+    "fc1": ("mlp", "linear_fc1"),
+    "fc2": ("mlp", "linear_fc2"),
+}
 
 
 def _settings_worker(argv):
@@ -197,8 +217,14 @@ def _settings_worker(argv):
     for layer in unwrap(trainer.model).decoder.layers:
         for name, (parent, attr) in _LINEAR_PATHS.items():
             cfg = getattr(getattr(layer, parent), attr).taco
-            linears[layer.layer_number, name] = None if cfg is None else tuple(
-                None if codec is None else (codec.settings, codec.backend) for codec in (cfg.fwd_codec, cfg.bwd_codec))
+            linears[layer.layer_number, name] = (
+                None
+                if cfg is None
+                else tuple(
+                    None if codec is None else (codec.settings, codec.backend)
+                    for codec in (cfg.fwd_codec, cfg.bwd_codec)
+                )
+            )
 
     on_the_wire = set()
     originals = {name: getattr(dist, name) for name in ("all_gather_into_tensor", "all_to_all_single")}
@@ -213,6 +239,7 @@ def _settings_worker(argv):
                     assert raw[:4] == b"TACO", raw
                     on_the_wire.add(describe_settings_bytes(raw[4:8]))
             return originals[name](output, message, *rest, **kwargs)
+
         return wrapper
 
     for name in originals:
@@ -227,8 +254,11 @@ def _settings_worker(argv):
 
 
 def _expected(layers, linears, fwd, bwd, backend="auto"):
-    return {(n, name): (None if fwd is None else (fwd, backend), None if bwd is None else (bwd, backend))
-            for n in layers for name in linears}
+    return {
+        (n, name): (None if fwd is None else (fwd, backend), None if bwd is None else (bwd, backend))
+        for n in layers
+        for name in linears
+    }
 
 
 ASH_E4M3 = CodecSettings(group_size=128, fmt="e4m3", transform="ash", scales="fp32")
@@ -241,16 +271,35 @@ ASH_E4M3 = CodecSettings(group_size=128, fmt="e4m3", transform="ash", scales="fp
         ([], _expected(range(1, 5), LINEARS, ASH_E4M3, ASH_E4M3)),
         # every codec flag, a per-range override of each, a forward-only range with two linears
         (
-            ["--taco-group-size", "64", "--taco-scales", "dual", "--taco-backend", "torch",
-             "--taco-override", "3-4:mode=fp8,fmt=e5m2,scales=e8m0,group_size=32",
-             "--taco-override", "2:direction=fwd,linears=fc1+fc2"],
+            [
+                "--taco-group-size",
+                "64",
+                "--taco-scales",
+                "dual",
+                "--taco-backend",
+                "torch",
+                "--taco-override",
+                "3-4:mode=fp8,fmt=e5m2,scales=e8m0,group_size=32",
+                "--taco-override",
+                "2:direction=fwd,linears=fc1+fc2",
+            ],
             {
-                **_expected([1], LINEARS, CodecSettings(64, "e4m3", "ash", "dual"),
-                            CodecSettings(64, "e4m3", "ash", "dual"), "torch"),
+                **_expected(
+                    [1],
+                    LINEARS,
+                    CodecSettings(64, "e4m3", "ash", "dual"),
+                    CodecSettings(64, "e4m3", "ash", "dual"),
+                    "torch",
+                ),
                 **_expected([2], ["qkv", "proj"], None, None),
                 **_expected([2], ["fc1", "fc2"], CodecSettings(64, "e4m3", "ash", "dual"), None, "torch"),
-                **_expected([3, 4], LINEARS, CodecSettings(32, "e5m2", "none", "e8m0"),
-                            CodecSettings(32, "e5m2", "none", "e8m0"), "torch"),
+                **_expected(
+                    [3, 4],
+                    LINEARS,
+                    CodecSettings(32, "e5m2", "none", "e8m0"),
+                    CodecSettings(32, "e5m2", "none", "e8m0"),
+                    "torch",
+                ),
             },
         ),
     ],
@@ -265,8 +314,14 @@ def test_every_linear_gets_exactly_the_codec_the_flags_ask_for(argv, expected):
     for key in sorted(expected):
         assert linears[key] == expected[key], f"layer {key[0]} {key[1]}: {linears[key]} != {expected[key]}"
     assert set(linears) == set(expected)
-    used = {settings.describe() for value in expected.values() if value for codec in value if codec
-            for settings in [codec[0]]}
+    used = {
+        settings.describe()
+        for value in expected.values()
+        if value
+        for codec in value
+        if codec
+        for settings in [codec[0]]
+    }
     assert on_the_wire == used, f"message headers {sorted(on_the_wire)}, flags asked for {sorted(used)}"
 
 
@@ -332,8 +387,20 @@ def test_invalid_flags_name_the_flag_and_value(argv, flag):
 
 
 def test_valid_flags_resolve_per_layer():
-    cfg = _parse(["--taco-mode", "fp8-ash", "--taco-layers", "1-4,9-12", "--taco-linears", "fc1,fc2",
-                  "--taco-override", "3-4:mode=fp8,group_size=64,linears=qkv+proj", "--taco-min-bytes", "4M"])
+    cfg = _parse(
+        [
+            "--taco-mode",
+            "fp8-ash",
+            "--taco-layers",
+            "1-4,9-12",
+            "--taco-linears",
+            "fc1,fc2",
+            "--taco-override",
+            "3-4:mode=fp8,group_size=64,linears=qkv+proj",
+            "--taco-min-bytes",
+            "4M",
+        ]
+    )
     assert cfg.min_bytes == 4 << 20
     assert cfg.for_layer(1).mode == "fp8-ash" and cfg.for_layer(1).linears == {"fc1", "fc2"}
     assert cfg.for_layer(3).mode == "fp8" and cfg.for_layer(3).group_size == 64

@@ -18,7 +18,6 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-
 @pytest.fixture(autouse=True)
 def _spawned_ranks(monkeypatch):
     """Fresh rank processes: the parent may have touched CUDA (TE's import does), which a fork cannot inherit."""
@@ -118,7 +117,8 @@ def test_te_linears_without_sequence_parallel_compress_the_all_reduce(kind):
 def test_under_te_fp8_taco_leaves_te_fp8_all_gathers_alone(kind):
     """TE sends the column input and the row output grad in FP8 itself; TACO takes what goes in bf16."""
     result = run_distributed(_te_module_traffic, 2, kind, True, True, backend="nccl", timeout=300)[0]
-    expected = {("layer 1 fc1", "reduce_scatter", "bwd")} if kind == "column" else {
-        ("layer 1 fc2", "reduce_scatter", "fwd")}
+    expected = (
+        {("layer 1 fc1", "reduce_scatter", "bwd")} if kind == "column" else {("layer 1 fc2", "reduce_scatter", "fwd")}
+    )
     assert {key for key, _ in result["traffic"]} == expected and _keys(result) == expected, result
     assert result["out_error"] < REL_ERROR_BOUND and result["grad_error"] < REL_ERROR_BOUND, result

@@ -22,8 +22,9 @@ def _routing():
 
     calls = []
 
-    def gather_along_first_dim(inp, process_group, async_op=False, quantizer=None, output_tensor=None,
-                               external_coalescing=False):
+    def gather_along_first_dim(
+        inp, process_group, async_op=False, quantizer=None, output_tensor=None, external_coalescing=False
+    ):
         calls.append("original")
         out = torch.empty(inp.shape[0] * 2, *inp.shape[1:], dtype=inp.dtype)
         dist.all_gather_into_tensor(out, inp, group=process_group)
@@ -32,13 +33,16 @@ def _routing():
     codec = TacoCodec(transform="ash")
     settings = te_linears.TeCompression(
         column=LinearCompression("layer 3 qkv", codec, codec, 0, 0),
-        row=LinearCompression("layer 3 proj", codec, codec, 0, 0))
+        row=LinearCompression("layer 3 proj", codec, codec, 0, 0),
+    )
     x = torch.randn(16, 2, 256, generator=torch.Generator().manual_seed(dist.get_rank()))
     group = dist.group.WORLD
-    column_gather = te_linears._intercept("transformer_engine.pytorch.module.linear", "gather_along_first_dim",
-                                          gather_along_first_dim)
-    grad_gather = te_linears._intercept("transformer_engine.pytorch.module.base", "gather_along_first_dim",
-                                        gather_along_first_dim)
+    column_gather = te_linears._intercept(
+        "transformer_engine.pytorch.module.linear", "gather_along_first_dim", gather_along_first_dim
+    )
+    grad_gather = te_linears._intercept(
+        "transformer_engine.pytorch.module.base", "gather_along_first_dim", gather_along_first_dim
+    )
     TELEMETRY.reset()
     stock, _ = column_gather(x, group)  # no module running: TE's own path
     te_linears._ACTIVE.settings, te_linears._ACTIVE.backward = settings, False

@@ -139,7 +139,9 @@ def header_words(settings: CodecSettings, numel: int) -> Tuple[int, int, int, in
 def check_header(settings: CodecSettings, buf: torch.Tensor, numel: int) -> None:
     """Raise :class:`WireFormatError` naming both settings when ``buf`` was not made by ``settings``."""
     if buf.dtype != torch.uint8 or buf.dim() != 1:
-        raise WireFormatError(f"a compressed message is a 1-D uint8 tensor, got {buf.dtype} of shape {tuple(buf.shape)}")
+        raise WireFormatError(
+            f"a compressed message is a 1-D uint8 tensor, got {buf.dtype} of shape {tuple(buf.shape)}"
+        )
     expected = settings.compressed_nbytes(numel)
     if buf.numel() < HEADER_BYTES:
         raise WireFormatError(f"buffer of {buf.numel()} bytes is shorter than the {HEADER_BYTES}-byte header")

@@ -160,7 +160,9 @@ def decode_groups(codes: torch.Tensor, scales: torch.Tensor, settings: CodecSett
     return x
 
 
-def decode_sum_groups(codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], settings: CodecSettings) -> torch.Tensor:
+def decode_sum_groups(
+    codes: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], settings: CodecSettings
+) -> torch.Tensor:
     """Sum of the decodes of N messages' groups, in fp32 and in message order.
 
     The Hadamard is linear, so with one scale per group the products q * s are

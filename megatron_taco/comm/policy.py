@@ -66,8 +66,9 @@ def auto_options(
     ``report``: the group's first rank prints the measurement and the decision (one line per group)."""
     gbps = measure_bus_bandwidth(group, device)
     min_bytes = NEVER if gbps > FAST_LINK_GBPS else break_even_bytes(gbps)
-    if report and dist.get_rank() == min(dist.get_process_group_ranks(group) if group is not None
-                                         else range(dist.get_world_size())):
+    if report and dist.get_rank() == min(
+        dist.get_process_group_ranks(group) if group is not None else range(dist.get_world_size())
+    ):
         print(f"megatron_taco: --taco-min-bytes auto: {describe_decision(group, gbps, min_bytes)}", flush=True)
     return CommOptions(min_bytes=min_bytes, chunk_bytes=chunk_bytes), gbps
 
@@ -75,6 +76,9 @@ def auto_options(
 def describe_decision(group: Optional[dist.ProcessGroup], gbps: float, min_bytes: int) -> str:
     """One line: which group, what the probe measured, what was decided."""
     ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
-    decision = (f"compression off (faster than {FAST_LINK_GBPS:g} GB/s)" if min_bytes >= NEVER
-                else f"compression on for messages >= {min_bytes / 2**20:.2f} MiB")
+    decision = (
+        f"compression off (faster than {FAST_LINK_GBPS:g} GB/s)"
+        if min_bytes >= NEVER
+        else f"compression on for messages >= {min_bytes / 2**20:.2f} MiB"
+    )
     return f"TP group ranks {ranks}: all-gather bus bandwidth {gbps:.1f} GB/s -> {decision}"

@@ -46,13 +46,16 @@ class MaplConfig:
 
     def __post_init__(self) -> None:
         if self.anchor_init not in ANCHOR_INITS:
-            raise MaplConfigError(f"--mapl-anchor-init: invalid value {self.anchor_init!r}; choose from "
-                                  f"{', '.join(ANCHOR_INITS)}")
+            raise MaplConfigError(
+                f"--mapl-anchor-init: invalid value {self.anchor_init!r}; choose from {', '.join(ANCHOR_INITS)}"
+            )
         if self.context_anchors < 0:
             raise MaplConfigError(f"--mapl-context-anchors: invalid value {self.context_anchors}; must be >= 0")
         if self.context_anchors and (self.anchor_rank == 0 or self.fixed_projection):
-            raise MaplConfigError("--mapl-context-anchors needs token anchors (--mapl-anchor-rank > 0, no "
-                                  "--mapl-fixed-projection): the context tables share their basis")
+            raise MaplConfigError(
+                "--mapl-context-anchors needs token anchors (--mapl-anchor-rank > 0, no "
+                "--mapl-fixed-projection): the context tables share their basis"
+            )
 
     @property
     def uniform(self) -> bool:
@@ -64,9 +67,11 @@ class MaplConfig:
         it is ``learned_absolute``); raises for --mapl-position-anchors on without learned positions."""
         learned = position_embedding == "learned_absolute"
         if self.position_anchors and not learned:
-            raise MaplConfigError(f"--mapl-position-anchors on: the model's position embedding is "
-                                  f"{position_embedding!r}; position anchors stand in for a learned absolute position table in "
-                                  "the residual stream (use auto or off)")
+            raise MaplConfigError(
+                f"--mapl-position-anchors on: the model's position embedding is "
+                f"{position_embedding!r}; position anchors stand in for a learned absolute position table in "
+                "the residual stream (use auto or off)"
+            )
         return self.position_anchors is not False and learned and self.anchor_rank > 0
 
     def wire_rank(self, hidden_size: int, boundary: int = 0) -> int:
@@ -74,8 +79,10 @@ class MaplConfig:
         if self.ranks is not None:
             r = self.ranks[boundary]
             if not 0 < r <= hidden_size:
-                raise MaplConfigError(f"--mapl-ranks: invalid value {r} for boundary {boundary}; needs "
-                                      f"0 < rank <= hidden size {hidden_size}")
+                raise MaplConfigError(
+                    f"--mapl-ranks: invalid value {r} for boundary {boundary}; needs "
+                    f"0 < rank <= hidden size {hidden_size}"
+                )
             return r
         if self.rank is not None:
             r = self.rank
@@ -96,64 +103,123 @@ class MaplConfig:
     def check_layout(self, pipeline_parallel: int, virtual_pipeline: Optional[int] = None) -> int:
         """Validate against the pipeline layout; return the number of boundaries."""
         if pipeline_parallel < 2:
-            raise MaplConfigError("--mapl-ratio/--mapl-rank need --pipeline-model-parallel-size > 1 (MAPL compresses "
-                                  "pipeline boundaries)")
+            raise MaplConfigError(
+                "--mapl-ratio/--mapl-rank need --pipeline-model-parallel-size > 1 (MAPL compresses pipeline boundaries)"
+            )
         boundaries = pipeline_parallel * (virtual_pipeline or 1) - 1
         if self.ranks is not None and len(self.ranks) != boundaries:
             raise MaplConfigError(f"--mapl-ranks: {len(self.ranks)} values given for {boundaries} pipeline boundaries")
         if self.vq_levels and not self.uniform:
-            raise MaplConfigError(f"--mapl-vq-levels {self.vq_levels} needs one wire width for every boundary; "
-                                  f"--mapl-ranks gives {','.join(map(str, self.ranks))}")
+            raise MaplConfigError(
+                f"--mapl-vq-levels {self.vq_levels} needs one wire width for every boundary; "
+                f"--mapl-ranks gives {','.join(map(str, self.ranks))}"
+            )
         return boundaries
 
 
 def add_mapl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group = parser.add_argument_group("MAPL: learned projections of pipeline activations")
     group.add_argument("--mapl-ratio", type=float, default=None, help="compression d / r at every boundary, e.g. 8")
-    group.add_argument("--mapl-rank", type=int, default=None, help="wire width r at every boundary (instead of a ratio)")
-    group.add_argument("--mapl-ranks", default=None,
-                       help="one wire width per boundary, in pipeline order, e.g. '64,32,64' (PP=4)")
+    group.add_argument(
+        "--mapl-rank", type=int, default=None, help="wire width r at every boundary (instead of a ratio)"
+    )
+    group.add_argument(
+        "--mapl-ranks", default=None, help="one wire width per boundary, in pipeline order, e.g. '64,32,64' (PP=4)"
+    )
     group.add_argument("--mapl-anchor-rank", type=int, default=64, help="rank k of the token anchors E[t] B (0: none)")
-    group.add_argument("--mapl-position-anchors", choices=("auto", "on", "off"), default="auto",
-                       help="also anchor the positions, a(t, p) = (E[t] + P[p]) B, so that learned absolute position "
-                            "embeddings need no wire width; auto: on for such models, off for RoPE models")
-    group.add_argument("--mapl-anchor-init", choices=ANCHOR_INITS, default="embedding",
-                       help="start of the anchors: embedding = the best rank-k approximation of the model's input "
-                            "embedding (token and, with position anchors, position tables); random = small noise")
-    group.add_argument("--mapl-context-anchors", type=int, default=0,
-                       help="also anchor the previous N tokens, a = (E[t_i] + sum_j C_j[t_(i-j)] (+ P[p])) B, with "
-                            "the C_j learned from zero (0: off)")
+    group.add_argument(
+        "--mapl-position-anchors",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="also anchor the positions, a(t, p) = (E[t] + P[p]) B, so that learned absolute position "
+        "embeddings need no wire width; auto: on for such models, off for RoPE models",
+    )
+    group.add_argument(
+        "--mapl-anchor-init",
+        choices=ANCHOR_INITS,
+        default="embedding",
+        help="start of the anchors: embedding = the best rank-k approximation of the model's input "
+        "embedding (token and, with position anchors, position tables); random = small noise",
+    )
+    group.add_argument(
+        "--mapl-context-anchors",
+        type=int,
+        default=0,
+        help="also anchor the previous N tokens, a = (E[t_i] + sum_j C_j[t_(i-j)] (+ P[p])) B, with "
+        "the C_j learned from zero (0: off)",
+    )
     group.add_argument("--mapl-lr", type=float, default=0.01, help="learning rate of the manifold optimizer")
     group.add_argument("--mapl-momentum", type=float, default=0.9, help="momentum of the manifold optimizer")
-    group.add_argument("--mapl-fixed-projection", action="store_true",
-                       help="keep U at its random orthogonal start and use no anchors (the SSN-style baseline)")
-    group.add_argument("--mapl-vq-levels", type=int, default=0,
-                       help="residual VQ after the projection: number of codebooks L (0: off; indices go on the wire)")
-    group.add_argument("--mapl-vq-codes", type=int, default=255,
-                       help="codes K per VQ codebook (2..65535; up to 255 an index is 1 byte on the wire)")
-    group.add_argument("--mapl-vq-decay", type=float, default=0.9, help="EMA decay of the codebook statistics, per step")
-    group.add_argument("--mapl-vq-sync-rows", type=int, default=0,
-                       help="most code words streamed to the receiver per step (0: every changed one)")
-    group.add_argument("--mapl-vq-sync-tolerance", type=float, default=1e-3,
-                       help="a code word is re-sent once it moved by more than this fraction of its norm")
+    group.add_argument(
+        "--mapl-fixed-projection",
+        action="store_true",
+        help="keep U at its random orthogonal start and use no anchors (the SSN-style baseline)",
+    )
+    group.add_argument(
+        "--mapl-vq-levels",
+        type=int,
+        default=0,
+        help="residual VQ after the projection: number of codebooks L (0: off; indices go on the wire)",
+    )
+    group.add_argument(
+        "--mapl-vq-codes",
+        type=int,
+        default=255,
+        help="codes K per VQ codebook (2..65535; up to 255 an index is 1 byte on the wire)",
+    )
+    group.add_argument(
+        "--mapl-vq-decay", type=float, default=0.9, help="EMA decay of the codebook statistics, per step"
+    )
+    group.add_argument(
+        "--mapl-vq-sync-rows",
+        type=int,
+        default=0,
+        help="most code words streamed to the receiver per step (0: every changed one)",
+    )
+    group.add_argument(
+        "--mapl-vq-sync-tolerance",
+        type=float,
+        default=1e-3,
+        help="a code word is re-sent once it moved by more than this fraction of its norm",
+    )
     return parser
 
 
 def mapl_config_from_args(args: argparse.Namespace) -> Optional[MaplConfig]:
     """None when MAPL is off; raises MaplConfigError naming the flag for invalid values."""
-    given = [flag for flag, value in (("--mapl-ratio", args.mapl_ratio), ("--mapl-rank", args.mapl_rank),
-                                      ("--mapl-ranks", args.mapl_ranks)) if value is not None]
+    given = [
+        flag
+        for flag, value in (
+            ("--mapl-ratio", args.mapl_ratio),
+            ("--mapl-rank", args.mapl_rank),
+            ("--mapl-ranks", args.mapl_ranks),
+        )
+        if value is not None
+    ]
     if not given:
         defaults = MaplConfig()
-        orphans = [f"--mapl-{name.replace('_', '-')}" for name in
-                   ("anchor_rank", "context_anchors", "lr", "momentum", "vq_levels", "vq_codes", "vq_decay",
-                    "vq_sync_rows", "vq_sync_tolerance") if getattr(args, f"mapl_{name}") != getattr(defaults, name)]
+        orphans = [
+            f"--mapl-{name.replace('_', '-')}"
+            for name in (
+                "anchor_rank",
+                "context_anchors",
+                "lr",
+                "momentum",
+                "vq_levels",
+                "vq_codes",
+                "vq_decay",
+                "vq_sync_rows",
+                "vq_sync_tolerance",
+            )
+            if getattr(args, f"mapl_{name}") != getattr(defaults, name)
+        ]
         orphans += ["--mapl-fixed-projection"] if args.mapl_fixed_projection else []
         orphans += ["--mapl-position-anchors"] if args.mapl_position_anchors != "auto" else []
         orphans += ["--mapl-anchor-init"] if args.mapl_anchor_init != defaults.anchor_init else []
         if orphans:
-            raise MaplConfigError(f"{', '.join(orphans)} given without --mapl-ratio, --mapl-rank or --mapl-ranks "
-                                  "(MAPL is off)")
+            raise MaplConfigError(
+                f"{', '.join(orphans)} given without --mapl-ratio, --mapl-rank or --mapl-ranks (MAPL is off)"
+            )
         return None
     if len(given) > 1:
         raise MaplConfigError(f"{' and '.join(given)}: give one of them, not several")
@@ -162,7 +228,9 @@ def mapl_config_from_args(args: argparse.Namespace) -> Optional[MaplConfig]:
         try:
             ranks = tuple(int(v) for v in str(args.mapl_ranks).split(","))
         except ValueError:
-            raise MaplConfigError(f"--mapl-ranks: invalid value {args.mapl_ranks!r}; use integers like '64,32,64'") from None
+            raise MaplConfigError(
+                f"--mapl-ranks: invalid value {args.mapl_ranks!r}; use integers like '64,32,64'"
+            ) from None
         if any(r < 1 for r in ranks):
             raise MaplConfigError(f"--mapl-ranks: invalid value {args.mapl_ranks!r}; every rank must be >= 1")
     if args.mapl_ratio is not None and args.mapl_ratio < 1:
@@ -172,8 +240,10 @@ def mapl_config_from_args(args: argparse.Namespace) -> Optional[MaplConfig]:
     if args.mapl_anchor_rank < 0:
         raise MaplConfigError(f"--mapl-anchor-rank: invalid value {args.mapl_anchor_rank}; must be >= 0")
     if args.mapl_position_anchors == "on" and (args.mapl_anchor_rank == 0 or args.mapl_fixed_projection):
-        raise MaplConfigError("--mapl-position-anchors on needs token anchors (--mapl-anchor-rank > 0, no "
-                              "--mapl-fixed-projection): the position table shares their basis")
+        raise MaplConfigError(
+            "--mapl-position-anchors on needs token anchors (--mapl-anchor-rank > 0, no "
+            "--mapl-fixed-projection): the position table shares their basis"
+        )
     if args.mapl_lr <= 0:
         raise MaplConfigError(f"--mapl-lr: invalid value {args.mapl_lr:g}; must be > 0")
     if not 0 <= args.mapl_momentum < 1:
@@ -181,20 +251,32 @@ def mapl_config_from_args(args: argparse.Namespace) -> Optional[MaplConfig]:
     if args.mapl_vq_levels < 0:
         raise MaplConfigError(f"--mapl-vq-levels: invalid value {args.mapl_vq_levels}; must be >= 0 (0: no VQ)")
     if not 2 <= args.mapl_vq_codes <= 65535:
-        raise MaplConfigError(f"--mapl-vq-codes: invalid value {args.mapl_vq_codes}; must be in [2, 65535] "
-                              "(one index value is reserved for non-finite tokens)")
+        raise MaplConfigError(
+            f"--mapl-vq-codes: invalid value {args.mapl_vq_codes}; must be in [2, 65535] "
+            "(one index value is reserved for non-finite tokens)"
+        )
     if not 0 < args.mapl_vq_decay < 1:
         raise MaplConfigError(f"--mapl-vq-decay: invalid value {args.mapl_vq_decay:g}; must be in (0, 1)")
     if args.mapl_vq_sync_rows < 0:
-        raise MaplConfigError(f"--mapl-vq-sync-rows: invalid value {args.mapl_vq_sync_rows}; must be >= 0 (0: no limit)")
+        raise MaplConfigError(
+            f"--mapl-vq-sync-rows: invalid value {args.mapl_vq_sync_rows}; must be >= 0 (0: no limit)"
+        )
     if args.mapl_vq_sync_tolerance < 0:
         raise MaplConfigError(f"--mapl-vq-sync-tolerance: invalid value {args.mapl_vq_sync_tolerance:g}; must be >= 0")
     return MaplConfig(
-        rank=args.mapl_rank, ratio=args.mapl_ratio, ranks=ranks,
+        rank=args.mapl_rank,
+        ratio=args.mapl_ratio,
+        ranks=ranks,
         anchor_rank=0 if args.mapl_fixed_projection else args.mapl_anchor_rank,
         position_anchors={"auto": None, "on": True, "off": False}[args.mapl_position_anchors],
-        anchor_init=args.mapl_anchor_init, context_anchors=args.mapl_context_anchors,
-        lr=args.mapl_lr, momentum=args.mapl_momentum, fixed_projection=args.mapl_fixed_projection,
-        vq_levels=args.mapl_vq_levels, vq_codes=args.mapl_vq_codes, vq_decay=args.mapl_vq_decay,
-        vq_sync_rows=args.mapl_vq_sync_rows, vq_sync_tolerance=args.mapl_vq_sync_tolerance,
+        anchor_init=args.mapl_anchor_init,
+        context_anchors=args.mapl_context_anchors,
+        lr=args.mapl_lr,
+        momentum=args.mapl_momentum,
+        fixed_projection=args.mapl_fixed_projection,
+        vq_levels=args.mapl_vq_levels,
+        vq_codes=args.mapl_vq_codes,
+        vq_decay=args.mapl_vq_decay,
+        vq_sync_rows=args.mapl_vq_sync_rows,
+        vq_sync_tolerance=args.mapl_vq_sync_tolerance,
     )

@@ -161,27 +161,46 @@ def _parse_override(text: str, base: LinearSettings) -> Tuple[Tuple[Tuple[int, i
 def add_taco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The --taco-* flags; usable as (part of) a Megatron-LM ``extra_args_provider``."""
     group = parser.add_argument_group("TACO: compressed tensor-parallel communication")
-    group.add_argument("--taco-mode", default="none",
-                       help="none | fp8 (per-group FP8) | fp8-ash (Adaptive Scale-Hadamard + FP8). Default: none")
+    group.add_argument(
+        "--taco-mode",
+        default="none",
+        help="none | fp8 (per-group FP8) | fp8-ash (Adaptive Scale-Hadamard + FP8). Default: none",
+    )
     group.add_argument("--taco-layers", default="all", help="layers to compress: 'all' or ranges like '1-4,9-12'")
-    group.add_argument("--taco-linears", default="qkv,proj,fc1,fc2",
-                       help="which linears' traffic: any of qkv, proj, fc1, fc2 (comma-separated)")
+    group.add_argument(
+        "--taco-linears",
+        default="qkv,proj,fc1,fc2",
+        help="which linears' traffic: any of qkv, proj, fc1, fc2 (comma-separated)",
+    )
     group.add_argument("--taco-direction", default="both", help="fwd | bwd | both (backward = gradient traffic)")
     group.add_argument("--taco-group-size", default="128", help="elements per scale group: 32, 64, 128 or 256")
     group.add_argument("--taco-fp8-format", default="e4m3", help="e4m3 (default) or e5m2")
     group.add_argument("--taco-scales", default="fp32", help="fp32 (one folded scale), dual (paper), e8m0")
-    group.add_argument("--taco-override", action="append", default=[],
-                       help="per-range settings, repeatable: 'RANGES:key=value,...', keys mode, linears, direction, "
-                            "group_size, fmt, scales; e.g. '1-2:mode=none'")
-    group.add_argument("--taco-min-bytes", default="auto",
-                       help="messages below this many bytes go uncompressed; 'auto' measures the link once per "
-                            "group (off on NVLink-class links). Accepts K/M/G suffixes")
+    group.add_argument(
+        "--taco-override",
+        action="append",
+        default=[],
+        help="per-range settings, repeatable: 'RANGES:key=value,...', keys mode, linears, direction, "
+        "group_size, fmt, scales; e.g. '1-2:mode=none'",
+    )
+    group.add_argument(
+        "--taco-min-bytes",
+        default="auto",
+        help="messages below this many bytes go uncompressed; 'auto' measures the link once per "
+        "group (off on NVLink-class links). Accepts K/M/G suffixes",
+    )
     group.add_argument("--taco-chunk-bytes", default="128M", help="pipelining piece size for large messages (0: off)")
-    group.add_argument("--taco-backend", default="auto",
-                       help="auto (Triton kernels on GPU, torch elsewhere), torch (reference), triton (needs a GPU)")
+    group.add_argument(
+        "--taco-backend",
+        default="auto",
+        help="auto (Triton kernels on GPU, torch elsewhere), torch (reference), triton (needs a GPU)",
+    )
     group.add_argument("--taco-log-interval", default="10", help="steps between telemetry log lines (0: off)")
-    group.add_argument("--taco-error-sample-interval", default="10",
-                       help="measure the codec's relative error on every Nth message per linear (0: never)")
+    group.add_argument(
+        "--taco-error-sample-interval",
+        default="10",
+        help="measure the codec's relative error on every Nth message per linear (0: never)",
+    )
     return parser
 
 
@@ -202,8 +221,10 @@ def check_backend_runs_here(backend: str) -> None:
     import torch
 
     if backend == "triton" and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        raise TacoConfigError("--taco-backend triton: Triton's kernels need a GPU here (no CUDA device); use auto or "
-                              "torch, or TRITON_INTERPRET=1 for Triton's slow CPU interpreter")
+        raise TacoConfigError(
+            "--taco-backend triton: Triton's kernels need a GPU here (no CUDA device); use auto or "
+            "torch, or TRITON_INTERPRET=1 for Triton's slow CPU interpreter"
+        )
 
 
 def taco_config_from_args(args: argparse.Namespace) -> TacoConfig:
@@ -212,16 +233,18 @@ def taco_config_from_args(args: argparse.Namespace) -> TacoConfig:
         mode=_choice(args.taco_mode, MODES, "--taco-mode"),
         linears=_parse_linears(args.taco_linears, "--taco-linears"),
         direction=_choice(args.taco_direction, DIRECTIONS, "--taco-direction"),
-        group_size=_choice(_positive_int(args.taco_group_size, "--taco-group-size", 1), GROUP_SIZES,
-                           "--taco-group-size"),
+        group_size=_choice(
+            _positive_int(args.taco_group_size, "--taco-group-size", 1), GROUP_SIZES, "--taco-group-size"
+        ),
         fmt=_choice(args.taco_fp8_format, FORMATS, "--taco-fp8-format"),
         scales=_choice(args.taco_scales, SCALES, "--taco-scales"),
     )
     if default.scales == "dual" and default.mode == "fp8":
         raise TacoConfigError("--taco-scales dual stores the adaptive scale of --taco-mode fp8-ash; use fp32 or e8m0")
     overrides: List = [_parse_override(text, default) for text in args.taco_override]
-    min_bytes = None if str(args.taco_min_bytes).strip() == "auto" else parse_bytes(args.taco_min_bytes,
-                                                                                   "--taco-min-bytes")
+    min_bytes = (
+        None if str(args.taco_min_bytes).strip() == "auto" else parse_bytes(args.taco_min_bytes, "--taco-min-bytes")
+    )
     return TacoConfig(
         default=default,
         layers=parse_layer_ranges(args.taco_layers, "--taco-layers"),

@@ -87,12 +87,30 @@ def _round_to_grid(x, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB
 
 @triton.jit
 def _compress_kernel(
-    x_ptr, out_ptr, x_row_stride, out_row_stride, numel, n_groups, scales_offset,
-    head0, head1, head2, head3, eps,
-    G: tl.constexpr, LOG2G: tl.constexpr, BLOCK_G: tl.constexpr,
-    ASH: tl.constexpr, SCALE_MODE: tl.constexpr, IS_E4M3: tl.constexpr,
-    FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr,
-    SUBNORMAL_SHIFTER: tl.constexpr, INV_SQRT_G: tl.constexpr, NAN_BYTE: tl.constexpr,
+    x_ptr,
+    out_ptr,
+    x_row_stride,
+    out_row_stride,
+    numel,
+    n_groups,
+    scales_offset,
+    head0,
+    head1,
+    head2,
+    head3,
+    eps,
+    G: tl.constexpr,
+    LOG2G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    ASH: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    MANTISSA_BITS: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    SUBNORMAL_SHIFTER: tl.constexpr,
+    INV_SQRT_G: tl.constexpr,
+    NAN_BYTE: tl.constexpr,
 ):
     """Row program_id(1) of x (``numel`` elements each) -> row program_id(1) of out (one message each)."""
     pid = tl.program_id(0)
@@ -100,8 +118,11 @@ def _compress_kernel(
     x_ptr += row * x_row_stride
     out_ptr += row * out_row_stride
     if pid == 0:  # the 16-byte header: magic, settings, element count
-        words = tl.where(tl.arange(0, 4) == 0, head0,
-                tl.where(tl.arange(0, 4) == 1, head1, tl.where(tl.arange(0, 4) == 2, head2, head3)))
+        words = tl.where(
+            tl.arange(0, 4) == 0,
+            head0,
+            tl.where(tl.arange(0, 4) == 1, head1, tl.where(tl.arange(0, 4) == 2, head2, head3)),
+        )
         tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + tl.arange(0, 4), words)
 
     groups = pid * BLOCK_G + tl.arange(0, BLOCK_G)
@@ -165,10 +186,24 @@ def _compress_kernel(
 
 @triton.jit
 def _decompress_sum_kernel(
-    bufs_ptr, out_ptr, n_bufs, buf_stride, out_row_stride, numel, n_groups, scales_offset,
-    G: tl.constexpr, LOG2G: tl.constexpr, BLOCK_G: tl.constexpr,
-    ASH: tl.constexpr, SCALE_MODE: tl.constexpr, IS_E4M3: tl.constexpr, INV_SQRT_G: tl.constexpr,
-    OUT_MANTISSA_BITS: tl.constexpr, OUT_MIN_NORMAL: tl.constexpr, OUT_SUBNORMAL_SHIFTER: tl.constexpr,
+    bufs_ptr,
+    out_ptr,
+    n_bufs,
+    buf_stride,
+    out_row_stride,
+    numel,
+    n_groups,
+    scales_offset,
+    G: tl.constexpr,
+    LOG2G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    ASH: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    IS_E4M3: tl.constexpr,
+    INV_SQRT_G: tl.constexpr,
+    OUT_MANTISSA_BITS: tl.constexpr,
+    OUT_MIN_NORMAL: tl.constexpr,
+    OUT_SUBNORMAL_SHIFTER: tl.constexpr,
 ):
     """out = sum over r of decode(bufs[r]) in fp32, in order r = 0, 1, ...
 
@@ -260,9 +295,19 @@ def compress_rows(x: torch.Tensor, out: torch.Tensor, settings: CodecSettings) -
     common = _common(settings, "compress", LAUNCH_CONFIG["compress"])
     grid = (max(1, triton.cdiv(n_groups, common["BLOCK_G"])), rows)
     _compress_kernel[grid](
-        x, out, x.stride(0), out.stride(0), numel, n_groups, scales_offset,
-        *header_words(settings, numel), settings.eps,
-        NAN_BYTE=NAN_CODE, **common, **_fp8_constants(settings), **_launch_options(x, "compress"),
+        x,
+        out,
+        x.stride(0),
+        out.stride(0),
+        numel,
+        n_groups,
+        scales_offset,
+        *header_words(settings, numel),
+        settings.eps,
+        NAN_BYTE=NAN_CODE,
+        **common,
+        **_fp8_constants(settings),
+        **_launch_options(x, "compress"),
     )
 
 
@@ -280,7 +325,16 @@ def decompress_rows(bufs: torch.Tensor, out: torch.Tensor, settings: CodecSettin
     common = _common(settings, "decompress_sum", LAUNCH_CONFIG["decompress_sum"])
     grid = (triton.cdiv(n_groups, common["BLOCK_G"]), rows)
     _decompress_sum_kernel[grid](
-        bufs, out, bufs.shape[0] // rows, bufs.stride(0), out.stride(0), numel, n_groups, scales_offset,
-        IS_E4M3=settings.format.name == "e4m3", **common, **_launch_options(bufs, "decompress_sum"),
+        bufs,
+        out,
+        bufs.shape[0] // rows,
+        bufs.stride(0),
+        out.stride(0),
+        numel,
+        n_groups,
+        scales_offset,
+        IS_E4M3=settings.format.name == "e4m3",
+        **common,
+        **_launch_options(bufs, "decompress_sum"),
         **_grid_constants(*_OUTPUT_GRIDS[out.dtype], prefix="OUT_"),
     )

@@ -68,10 +68,15 @@ def start_anchors_from_embedding(first_chunks: List[torch.nn.Module], boundaries
     if parallel_state.is_pipeline_first_stage(ignore_virtual=True):  # global rank 0 is on this stage
         tables = _embedding_tables(first_chunks[0], with_positions=like.positions > 0)
         if tables.shape[0] != vocab + like.positions:
-            raise RuntimeError(f"MAPL anchors: the embedding has {tables.shape[0]} rows, the anchors expect "
-                               f"{vocab} tokens + {like.positions} positions")
-    factors = _factors(tables, vocab, rank) if dist.get_rank() == 0 else [
-        torch.empty(shape, dtype=torch.float32, device=like.anchor_basis.device) for shape in shapes]
+            raise RuntimeError(
+                f"MAPL anchors: the embedding has {tables.shape[0]} rows, the anchors expect "
+                f"{vocab} tokens + {like.positions} positions"
+            )
+    factors = (
+        _factors(tables, vocab, rank)
+        if dist.get_rank() == 0
+        else [torch.empty(shape, dtype=torch.float32, device=like.anchor_basis.device) for shape in shapes]
+    )
     for factor in factors:
         if factor.numel():
             dist.broadcast(factor, src=0)

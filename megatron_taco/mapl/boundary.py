@@ -88,8 +88,9 @@ class BoundaryCodec(torch.nn.Module):
             owner._buffers[name.rpartition(".")[2]] = kept.requires_grad_(old.requires_grad)
         return self
 
-    def _anchors(self, tokens: torch.Tensor, positions: Optional[torch.Tensor],
-                 previous: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def _anchors(
+        self, tokens: torch.Tensor, positions: Optional[torch.Tensor], previous: Optional[torch.Tensor]
+    ) -> Optional[torch.Tensor]:
         """a for tokens and positions [s, b] and previous tokens [n, s, b] as fp32 [s, b, d] (None: no anchors)."""
         if self.anchor_rank == 0:
             return None
@@ -100,8 +101,13 @@ class BoundaryCodec(torch.nn.Module):
             coefficients = coefficients + self.anchor_context[j][previous[j]].float()
         return coefficients @ self.anchor_basis.float()
 
-    def project(self, hidden: torch.Tensor, tokens: torch.Tensor, positions: Optional[torch.Tensor] = None,
-                previous: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def project(
+        self,
+        hidden: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: Optional[torch.Tensor] = None,
+        previous: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """[s, b, d] -> [s, b, r] (in the hidden states' dtype; math in fp32)."""
         anchors = self._anchors(tokens, positions, previous)
         centred = hidden.float() if anchors is None else hidden.float() - anchors
@@ -119,8 +125,14 @@ class BoundaryCodec(torch.nn.Module):
         indices = unpack_indices(carrier.mapl_indices, self.vq.levels, self.vq.codes)
         return carrier.float() + self.vq.decode(indices)
 
-    def reconstruct(self, z: torch.Tensor, tokens: torch.Tensor, dtype: torch.dtype,
-                    positions: Optional[torch.Tensor] = None, previous: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def reconstruct(
+        self,
+        z: torch.Tensor,
+        tokens: torch.Tensor,
+        dtype: torch.dtype,
+        positions: Optional[torch.Tensor] = None,
+        previous: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """[s, b, r] -> [s, b, d]."""
         hidden = z.float() @ self.projection.transpose(0, 1)
         anchors = self._anchors(tokens, positions, previous)

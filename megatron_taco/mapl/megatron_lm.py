@@ -40,15 +40,20 @@ def configure(args: argparse.Namespace) -> Optional[MaplConfig]:
     _STATE["cfg"] = cfg
     if cfg is None:
         return None
-    cfg.wire_ranks(args.hidden_size, args.pipeline_model_parallel_size,
-                   getattr(args, "virtual_pipeline_model_parallel_size", None))
+    cfg.wire_ranks(
+        args.hidden_size, args.pipeline_model_parallel_size, getattr(args, "virtual_pipeline_model_parallel_size", None)
+    )
     cfg.anchors_positions(args.position_embedding_type)
     if getattr(args, "context_parallel_size", 1) > 1:
-        raise MaplConfigError(f"--mapl-* with --context-parallel-size {args.context_parallel_size}: MAPL's anchors "
-                              "need every token of the sequence on the stage; run without context parallelism")
+        raise MaplConfigError(
+            f"--mapl-* with --context-parallel-size {args.context_parallel_size}: MAPL's anchors "
+            "need every token of the sequence on the stage; run without context parallelism"
+        )
     if getattr(args, "mtp_num_layers", None):
-        raise MaplConfigError("--mapl-* with --mtp-num-layers: multi-token prediction layers read the last "
-                              "stage's hidden states in ways MAPL does not cover; drop one")
+        raise MaplConfigError(
+            "--mapl-* with --mtp-num-layers: multi-token prediction layers read the last "
+            "stage's hidden states in ways MAPL does not cover; drop one"
+        )
     return cfg
 
 
@@ -71,8 +76,10 @@ def describe() -> str:
         for side, codec in (("receives", stage.recv), ("sends", stage.send)):
             if codec is not None:
                 vq = f", VQ {codec.vq.levels} x {codec.vq.codes} codes" if codec.vq is not None else ""
-                parts.append(f"{side} boundary {codec.boundary} at width {codec.rank} of {codec.hidden_size} "
-                             f"({codec.hidden_size / codec.rank:g}x{vq})")
+                parts.append(
+                    f"{side} boundary {codec.boundary} at width {codec.rank} of {codec.hidden_size} "
+                    f"({codec.hidden_size / codec.rank:g}x{vq})"
+                )
     return "; ".join(parts)
 
 
@@ -173,8 +180,9 @@ def _patch_training() -> None:
         def forward_backward(*schedule_args, model, **schedule_kwargs):
             chunks = model if isinstance(model, list) else [model]
             views, extra = schedule_inputs(chunks, cfg)
-            return schedule(*schedule_args, model=views if isinstance(model, list) else views[0],
-                            **{**schedule_kwargs, **extra})
+            return schedule(
+                *schedule_args, model=views if isinstance(model, list) else views[0], **{**schedule_kwargs, **extra}
+            )
 
         return forward_backward
 

@@ -98,7 +98,7 @@ class MaplStage:
         n, before_start = self._context
         padded = torch.nn.functional.pad(input_ids, (n, 0), value=before_start)
         seq = input_ids.shape[-1]
-        return self._local(torch.stack([padded[..., n - j: n - j + seq] for j in range(1, n + 1)]))
+        return self._local(torch.stack([padded[..., n - j : n - j + seq] for j in range(1, n + 1)]))
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attention_mask: Any, **kwargs: Any):
         tokens = positions = previous = None
@@ -122,8 +122,9 @@ class MaplStage:
                 if self.send.vq is not None:
                     output = self.send.quantize(output, dtype or output.dtype)
             if training:  # with VQ the index wire sends the packed indices in place of the output
-                MAPL_TELEMETRY.record_forward(self.send.boundary, getattr(output, "mapl_indices", output), activation,
-                                              self.shape_message_bytes)
+                MAPL_TELEMETRY.record_forward(
+                    self.send.boundary, getattr(output, "mapl_indices", output), activation, self.shape_message_bytes
+                )
         return output
 
     def boundaries(self) -> List[BoundaryCodec]:
@@ -198,12 +199,16 @@ class MaplSync:
         self.groups = _pair_groups()
         self.boundaries = [b for stage in stages for b in stage.boundaries()]
         # under SP each TP rank sees other tokens: U's gradient and the VQ statistics are summed over TP
-        self.sequence_parallel = (parallel_state.get_tensor_model_parallel_world_size() > 1
-                                  and stages[0].config.sequence_parallel)
+        self.sequence_parallel = (
+            parallel_state.get_tensor_model_parallel_world_size() > 1 and stages[0].config.sequence_parallel
+        )
         self._check_pairs_agree()
         self.trainable = [b for b in self.boundaries if b.trainable]
-        self.optimizer = StiefelMomentumSGD([b.projection for b in self.trainable], lr=lr, momentum=momentum) \
-            if self.trainable else None
+        self.optimizer = (
+            StiefelMomentumSGD([b.projection for b in self.trainable], lr=lr, momentum=momentum)
+            if self.trainable
+            else None
+        )
 
     def _check_pairs_agree(self) -> None:
         """Both sides of every boundary must use the same settings, or the r-wide P2P would hang.
@@ -214,18 +219,34 @@ class MaplSync:
         for boundary in self.boundaries:
             vq = boundary.vq
             sending = any(stage.send is boundary for stage in self.stages)
-            mine = torch.tensor([boundary.hidden_size, boundary.rank, boundary.anchor_rank, boundary.positions,
-                                 boundary.context, int(boundary.trainable),
-                                 vq.levels if vq else 0, vq.codes if vq else 0, dist.get_rank() if sending else -1],
-                                dtype=torch.int64, device=boundary.projection.device)
+            mine = torch.tensor(
+                [
+                    boundary.hidden_size,
+                    boundary.rank,
+                    boundary.anchor_rank,
+                    boundary.positions,
+                    boundary.context,
+                    int(boundary.trainable),
+                    vq.levels if vq else 0,
+                    vq.codes if vq else 0,
+                    dist.get_rank() if sending else -1,
+                ],
+                dtype=torch.int64,
+                device=boundary.projection.device,
+            )
             group = self.groups[boundary.boundary]
             both = [torch.zeros_like(mine) for _ in range(2)]
             dist.all_gather(both, mine, group=group)
             if not torch.equal(both[0][:-1], both[1][:-1]):
-                describe = lambda t: f"rank {int(t[1])} of {int(t[0])}, anchor rank {int(t[2])}, " \
-                    f"position anchors {int(t[3]) or 'off'}, context anchors {int(t[4]) or 'off'}, " \
-                    f"{'learned' if t[5] else 'fixed'} projection, " \
-                    f"VQ {f'{int(t[6])} levels x {int(t[7])} codes' if t[6] else 'off'}"  # noqa: E731
+
+                def describe(t: torch.Tensor) -> str:
+                    return (
+                        f"rank {int(t[1])} of {int(t[0])}, anchor rank {int(t[2])}, "
+                        f"position anchors {int(t[3]) or 'off'}, context anchors {int(t[4]) or 'off'}, "
+                        f"{'learned' if t[5] else 'fixed'} projection, "
+                        f"VQ {f'{int(t[6])} levels x {int(t[7])} codes' if t[6] else 'off'}"
+                    )
+
                 ranks = dist.get_process_group_ranks(group)
                 raise RuntimeError(
                     f"MAPL settings differ across pipeline boundary {boundary.boundary}: global rank {ranks[0]} "
@@ -278,8 +299,10 @@ class MaplSync:
         Returns the code words this rank sent or received. Boundaries go in ascending order on every
         rank, so the pair broadcasts of neighbouring boundaries cannot deadlock.
         """
-        reduce_groups = (parallel_state.get_data_parallel_group(),
-                         parallel_state.get_tensor_model_parallel_group() if self.sequence_parallel else None)
+        reduce_groups = (
+            parallel_state.get_data_parallel_group(),
+            parallel_state.get_tensor_model_parallel_group() if self.sequence_parallel else None,
+        )
         rows = 0
         for boundary in sorted(self.boundaries, key=lambda b: b.boundary):
             if boundary.vq is None:
@@ -291,8 +314,9 @@ class MaplSync:
         return rows
 
 
-def attach_mapl(model: torch.nn.Module, cfg: MaplConfig, seed: int,
-                codec_class: Type[BoundaryCodec] = BoundaryCodec) -> MaplStage:
+def attach_mapl(
+    model: torch.nn.Module, cfg: MaplConfig, seed: int, codec_class: Type[BoundaryCodec] = BoundaryCodec
+) -> MaplStage:
     """Attach the boundary codecs of one freshly built GPTModel chunk (receive side, send side).
 
     Boundaries are numbered along the whole pipeline: chunk ``vp_stage`` of stage s sits at position
@@ -309,15 +333,32 @@ def attach_mapl(model: torch.nn.Module, cfg: MaplConfig, seed: int,
     def boundary(index: int) -> BoundaryCodec:
         rank = widths[index]
         return codec_class(
-            hidden_size=config.hidden_size, rank=rank, vocab_size=model.vocab_size, anchor_rank=cfg.anchor_rank,
-            seed=seed, boundary=index, trainable=not cfg.fixed_projection,
-            sequence_parallel=config.sequence_parallel, positions=positions, context=cfg.context_anchors,
-            vq=ResidualVQ(rank, cfg.vq_levels, cfg.vq_codes, cfg.vq_decay, cfg.vq_sync_rows, cfg.vq_sync_tolerance,
-                          seed=seed * 7919 + index) if cfg.vq_levels else None,
+            hidden_size=config.hidden_size,
+            rank=rank,
+            vocab_size=model.vocab_size,
+            anchor_rank=cfg.anchor_rank,
+            seed=seed,
+            boundary=index,
+            trainable=not cfg.fixed_projection,
+            sequence_parallel=config.sequence_parallel,
+            positions=positions,
+            context=cfg.context_anchors,
+            vq=ResidualVQ(
+                rank,
+                cfg.vq_levels,
+                cfg.vq_codes,
+                cfg.vq_decay,
+                cfg.vq_sync_rows,
+                cfg.vq_sync_tolerance,
+                seed=seed * 7919 + index,
+            )
+            if cfg.vq_levels
+            else None,
         ).to(device)
 
-    stage = MaplStage(model, boundary(position - 1) if position > 0 else None,
-                      boundary(position) if position < len(widths) else None)
+    stage = MaplStage(
+        model, boundary(position - 1) if position > 0 else None, boundary(position) if position < len(widths) else None
+    )
     if not cfg.uniform:  # megatron-core sends each tensor's shape first: counted in the MAPL telemetry
         stage.shape_message_bytes = SHAPE_MESSAGE_BYTES
     return stage
@@ -341,6 +382,9 @@ def schedule_inputs(models: List[torch.nn.Module], cfg: MaplConfig) -> Tuple[Lis
     views = [ScheduleView(m, max(widths), variable_shapes=not cfg.uniform) for m in models]
     if not cfg.vq_levels:
         return views, {}
-    communicator = IndexWireCommunicator(parallel_state.get_pipeline_model_parallel_group(), views[0].config,
-                                         packed_width(cfg.vq_levels, cfg.vq_codes, config.pipeline_dtype))
+    communicator = IndexWireCommunicator(
+        parallel_state.get_pipeline_model_parallel_group(),
+        views[0].config,
+        packed_width(cfg.vq_levels, cfg.vq_codes, config.pipeline_dtype),
+    )
     return views, dict(p2p_communicator=communicator, pg_collection=ProcessGroupCollection.use_mpu_process_groups())

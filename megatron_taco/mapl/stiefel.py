@@ -46,7 +46,9 @@ def random_stiefel(d: int, r: int, generator: torch.Generator) -> torch.Tensor:
 def orthogonality_error(u: torch.Tensor) -> float:
     """max |U^T U - I| (float64)."""
     u64 = u.double()
-    return float((u64.transpose(-1, -2) @ u64 - torch.eye(u.shape[-1], dtype=torch.float64, device=u.device)).abs().max())
+    return float(
+        (u64.transpose(-1, -2) @ u64 - torch.eye(u.shape[-1], dtype=torch.float64, device=u.device)).abs().max()
+    )
 
 
 class StiefelMomentumSGD:

@@ -92,9 +92,11 @@ def boundary_name(boundary: int, pipeline_parallel: int) -> str:
 def describe_boundary(traffic: BoundaryTraffic, steps: int, summary: bool = False) -> str:
     """'forward ..., backward ..., replica sync S' per step (see :func:`compared`)."""
     steps = max(steps, 1)
-    return (f"forward {compared(traffic.forward_uncompressed / steps, traffic.forward_wire / steps, summary)}, "
-            f"backward {compared(traffic.backward_uncompressed / steps, traffic.backward_wire / steps, summary)}, "
-            f"replica sync {format_bytes(traffic.sync / steps)}")
+    return (
+        f"forward {compared(traffic.forward_uncompressed / steps, traffic.forward_wire / steps, summary)}, "
+        f"backward {compared(traffic.backward_uncompressed / steps, traffic.backward_wire / steps, summary)}, "
+        f"replica sync {format_bytes(traffic.sync / steps)}"
+    )
 
 
 def describe_total(traffic: List[BoundaryTraffic], summary: bool = False) -> str:
@@ -102,8 +104,10 @@ def describe_total(traffic: List[BoundaryTraffic], summary: bool = False) -> str
     uncompressed, wire = sum(t.uncompressed for t in traffic), sum(t.wire for t in traffic)
     synced = wire + sum(t.sync for t in traffic)
     with_sync = f"{uncompressed / synced:.2f}x" if synced else "-"
-    return (f"{compared(uncompressed, wire, summary)}; with replica sync {format_bytes(synced)}"
-            f"{' sent' if summary else ''} ({with_sync})")
+    return (
+        f"{compared(uncompressed, wire, summary)}; with replica sync {format_bytes(synced)}"
+        f"{' sent' if summary else ''} ({with_sync})"
+    )
 
 
 class MaplTelemetry:
@@ -154,7 +158,7 @@ class MaplTelemetry:
 
         A collective over the default group: every rank calls it at the same point."""
         local = [BoundaryTraffic() for _ in range(boundaries)]
-        for source in ([self._earlier, self.records] if run else [self.records]):
+        for source in [self._earlier, self.records] if run else [self.records]:
             for boundary, rec in source.items():
                 local[boundary].add(rec)
         table = torch.tensor([t.as_list() for t in local], dtype=torch.int64, device=device)
@@ -165,10 +169,13 @@ class MaplTelemetry:
 
 def format_lines(traffic: List[BoundaryTraffic], steps: int, pipeline_parallel: int) -> List[str]:
     """The periodic log lines: per boundary, uncompressed -> sent per step; then the interval's total."""
-    lines = [f"mapl {boundary_name(g, pipeline_parallel)} per step, all ranks: {describe_boundary(t, steps)}"
-             for g, t in enumerate(traffic)]
-    lines.append(f"mapl total over {steps} step{'s' if steps != 1 else ''}, all boundaries and ranks: "
-                 f"{describe_total(traffic)}")
+    lines = [
+        f"mapl {boundary_name(g, pipeline_parallel)} per step, all ranks: {describe_boundary(t, steps)}"
+        for g, t in enumerate(traffic)
+    ]
+    lines.append(
+        f"mapl total over {steps} step{'s' if steps != 1 else ''}, all boundaries and ranks: {describe_total(traffic)}"
+    )
     return lines
 
 
@@ -179,8 +186,9 @@ def write_tensorboard(writer, step: int, traffic: List[BoundaryTraffic], steps: 
         for direction in ("forward", "backward"):
             tag = f"mapl/boundary_{g}/{direction}"
             writer.add_scalar(f"{tag}/wire_MiB_per_step", getattr(t, f"{direction}_wire") / steps / 2**20, step)
-            writer.add_scalar(f"{tag}/uncompressed_MiB_per_step",
-                              getattr(t, f"{direction}_uncompressed") / steps / 2**20, step)
+            writer.add_scalar(
+                f"{tag}/uncompressed_MiB_per_step", getattr(t, f"{direction}_uncompressed") / steps / 2**20, step
+            )
         writer.add_scalar(f"mapl/boundary_{g}/replica_sync_MiB_per_step", t.sync / steps / 2**20, step)
 
 

@@ -78,8 +78,9 @@ def unpack_indices(packed: torch.Tensor, levels: int, codes: int) -> torch.Tenso
 class ResidualVQ(torch.nn.Module):
     """L residual codebooks of K codes of width r; see the module docstring for the algorithm."""
 
-    def __init__(self, dim: int, levels: int, codes: int, decay: float, sync_rows: int, sync_tolerance: float,
-                 seed: int) -> None:
+    def __init__(
+        self, dim: int, levels: int, codes: int, decay: float, sync_rows: int, sync_tolerance: float, seed: int
+    ) -> None:
         super().__init__()
         self.dim, self.levels, self.codes = dim, levels, codes
         self.decay, self.sync_rows, self.sync_tolerance = decay, sync_rows, sync_tolerance
@@ -114,8 +115,14 @@ class ResidualVQ(torch.nn.Module):
             if record:
                 # per-code sums of [1, e, |e|^2] as a one-hot matmul: a fixed summation order, so GPU runs
                 # are bit-reproducible (index_add_ sums with atomics on CUDA, in a different order each run)
-                values = torch.cat([weight.unsqueeze(1), residual * weight.unsqueeze(1),
-                                    (residual.square().sum(1) * weight).unsqueeze(1)], dim=1)
+                values = torch.cat(
+                    [
+                        weight.unsqueeze(1),
+                        residual * weight.unsqueeze(1),
+                        (residual.square().sum(1) * weight).unsqueeze(1),
+                    ],
+                    dim=1,
+                )
                 sums = self._per_code_sums(index, values)
                 self.step_count[level] += sums[:, 0]
                 self.step_sum[level] += sums[:, 1:-1]
@@ -131,8 +138,8 @@ class ResidualVQ(torch.nn.Module):
         chunk = max(1, _ONE_HOT_ELEMENTS // self.codes)
         sums = values.new_zeros(self.codes, values.shape[1])
         for start in range(0, index.numel(), chunk):
-            one_hot = torch.nn.functional.one_hot(index[start:start + chunk], self.codes).to(values.dtype)
-            sums += one_hot.transpose(0, 1) @ values[start:start + chunk]
+            one_hot = torch.nn.functional.one_hot(index[start : start + chunk], self.codes).to(values.dtype)
+            sums += one_hot.transpose(0, 1) @ values[start : start + chunk]
         return sums
 
     @torch.no_grad()
@@ -162,7 +169,7 @@ class ResidualVQ(torch.nn.Module):
         for buffer in (self.step_count, self.step_sum, self.step_square):
             buffer.zero_()
         self.updates += 1
-        live_mean = (self.ema_sum / self.ema_count.clamp_min(1e-12).unsqueeze(-1))
+        live_mean = self.ema_sum / self.ema_count.clamp_min(1e-12).unsqueeze(-1)
         target = torch.where((self.ema_count > 0).unsqueeze(-1), live_mean, self.codebooks)
         gen = torch.Generator(device="cpu").manual_seed(self.seed * 1_000_003 + int(self.updates))
         for level in range(self.levels):

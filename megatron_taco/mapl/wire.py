@@ -41,19 +41,26 @@ class IndexWireCommunicator(P2PCommunicator):
         seq, batch, width = self._shape
         return (seq, batch, self.index_width), (seq, batch, width)
 
-    def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape,
-                     wait_on_reqs=True):
+    def _communicate(
+        self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape, wait_on_reqs=True
+    ):
         if tensor_shape is not None:
             self._shape = tuple(tensor_shape)
         if tensor_send_next is not None:
             indices = getattr(tensor_send_next, "mapl_indices", None)
             if indices is None:
-                raise RuntimeError("MAPL VQ: a stage sent an activation without VQ indices; every boundary of this "
-                                   "pipeline must use VQ (--mapl-vq-levels)")
+                raise RuntimeError(
+                    "MAPL VQ: a stage sent an activation without VQ indices; every boundary of this "
+                    "pipeline must use VQ (--mapl-vq-levels)"
+                )
             tensor_send_next = indices
         received, grad, reqs = super()._communicate(
-            tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev, recv_prev=recv_prev,
-            recv_next=recv_next, tensor_shape=tensor_shape, wait_on_reqs=wait_on_reqs,
+            tensor_send_next=tensor_send_next,
+            tensor_send_prev=tensor_send_prev,
+            recv_prev=recv_prev,
+            recv_next=recv_next,
+            tensor_shape=tensor_shape,
+            wait_on_reqs=wait_on_reqs,
         )
         if received is not None:
             carrier = torch.zeros(self._shape, dtype=received.dtype, device=received.device, requires_grad=True)

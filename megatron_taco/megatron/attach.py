@@ -84,9 +84,20 @@ def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> 
 
     def linear_compression(settings: LinearSettings, layer_number: int, name: str) -> Optional[LinearCompression]:
         key = (settings.group_size, settings.fmt, settings.transform, settings.scales)
-        codec = codecs.setdefault(key, TacoCodec(group_size=settings.group_size, fmt=settings.fmt,
-                                                 transform=settings.transform, scales=settings.scales,
-                                                 backend=config.backend)) if settings.enabled else None
+        codec = (
+            codecs.setdefault(
+                key,
+                TacoCodec(
+                    group_size=settings.group_size,
+                    fmt=settings.fmt,
+                    transform=settings.transform,
+                    scales=settings.scales,
+                    backend=config.backend,
+                ),
+            )
+            if settings.enabled
+            else None
+        )
         fwd = codec if settings.compresses(name, "fwd") else None
         bwd = codec if settings.compresses(name, "bwd") else None
         if fwd is None and bwd is None:

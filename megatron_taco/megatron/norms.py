@@ -24,8 +24,7 @@ class SequenceParallelNorm(torch.nn.Module):
         super().__init__()
         if config.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(
-                f"SequenceParallelNorm supports normalization LayerNorm or RMSNorm, "
-                f"got {config.normalization!r}"
+                f"SequenceParallelNorm supports normalization LayerNorm or RMSNorm, got {config.normalization!r}"
             )
         if getattr(config, "layernorm_zero_centered_gamma", False):
             raise ValueError("SequenceParallelNorm does not implement layernorm_zero_centered_gamma")
@@ -35,9 +34,7 @@ class SequenceParallelNorm(torch.nn.Module):
         dtype = config.params_dtype
         self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.bias = (
-            torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype))
-            if self.normalization == "LayerNorm"
-            else None
+            torch.nn.Parameter(torch.zeros(hidden_size, dtype=dtype)) if self.normalization == "LayerNorm" else None
         )
         for param in self.parameters():
             param.sequence_parallel = bool(config.sequence_parallel)

@@ -73,6 +73,4 @@ def decoder_block_spec(
 ) -> TransformerBlockSubmodules:
     """The decoder of this pipeline stage: its layers plus the SP-capable final norm."""
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(
-        layer_specs=[layer_spec] * num_layers, layer_norm=SequenceParallelNorm
-    )
+    return TransformerBlockSubmodules(layer_specs=[layer_spec] * num_layers, layer_norm=SequenceParallelNorm)

@@ -75,8 +75,9 @@ class LinearCompression:
         the linear takes megatron-core's stock path (which overlaps its communication with compute) and
         the messages are recorded as sent uncompressed."""
         min_bytes = self.options(group, device).min_bytes
-        if any(self.codec(direction) is not None and nbytes >= min_bytes
-               for (_, direction), nbytes in messages.items()):
+        if any(
+            self.codec(direction) is not None and nbytes >= min_bytes for (_, direction), nbytes in messages.items()
+        ):
             return False
         for (collective, direction), nbytes in messages.items():
             TELEMETRY.record_uncompressed((self.name, collective.__name__, direction), nbytes)
@@ -91,8 +92,9 @@ class _TensorParallelComm(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, group, cfg: LinearCompression, forward_kind: Optional[Callable],
-                backward_kind: Optional[Callable]):
+    def forward(
+        ctx, x, group, cfg: LinearCompression, forward_kind: Optional[Callable], backward_kind: Optional[Callable]
+    ):
         ctx.group, ctx.cfg, ctx.backward_kind = group, cfg, backward_kind
         if forward_kind is None:
             return x.view_as(x)
@@ -149,8 +151,10 @@ def compress_local_linear(linear: torch.nn.Module, cfg: Optional[LinearCompressi
     """Route a built megatron-core Column/RowParallelLinear's TP traffic through TACO (``None``: stock)."""
     if isinstance(linear, RowParallelLinear):
         if cfg is not None and not linear.skip_bias_add:
-            raise ValueError(f"{cfg.name}: TACO needs skip_bias_add=True on a RowParallelLinear "
-                             "(the bias is added after the reduction)")
+            raise ValueError(
+                f"{cfg.name}: TACO needs skip_bias_add=True on a RowParallelLinear "
+                "(the bias is added after the reduction)"
+            )
         impl = _row_forward_impl
     elif isinstance(linear, ColumnParallelLinear):
         impl = _column_forward_impl

@@ -98,7 +98,8 @@ def _intercept(te_file: str, name: str, original: Callable) -> Callable:
         bound = signature.bind(*args, **kwargs).arguments
         inp = next(iter(bound.values()))
         preallocated = any(bound.get(k) is not None for k in ("output", "output_tensor")) or bound.get(
-            "external_coalescing")
+            "external_coalescing"
+        )
         message = None if preallocated else _message(te_file, collective, bound.get("quantizer"), inp)
         if message is None or message[0] is None:
             return original(*args, **kwargs)

@@ -45,8 +45,9 @@ class TrafficRecord:
         values = torch.tensor([float(getattr(self, f.name)) for f in fields], dtype=torch.float64, device=device)
         if dist.is_initialized():
             dist.all_reduce(values)
-        return TrafficRecord(*(v if f.type in (float, "float") else int(round(v))
-                               for f, v in zip(fields, values.tolist())))
+        return TrafficRecord(
+            *(v if f.type in (float, "float") else int(round(v)) for f, v in zip(fields, values.tolist()))
+        )
 
 
 Key = Tuple[str, str, str]  # (linear name, collective, direction)
@@ -125,9 +126,11 @@ class TacoTelemetry:
         if payload:
             calls = sum(r.calls for r in self.records.values())
             uncompressed = calls - sum(r.compressed_calls for r in self.records.values())
-            lines.append(f"taco total: {payload / 2**20:.2f} MiB -> {wire / 2**20:.2f} MiB ({payload / wire:.2f}x); "
-                         f"{uncompressed} of {calls} messages of configured linears went uncompressed "
-                         "(below --taco-min-bytes)")
+            lines.append(
+                f"taco total: {payload / 2**20:.2f} MiB -> {wire / 2**20:.2f} MiB ({payload / wire:.2f}x); "
+                f"{uncompressed} of {calls} messages of configured linears went uncompressed "
+                "(below --taco-min-bytes)"
+            )
         return lines
 
     def write_tensorboard(self, writer, step: int) -> None:

@@ -180,7 +180,8 @@ def check_message(x: torch.Tensor, settings: CodecSettings, buf: torch.Tensor) -
         measured["scale_rel"] = float((stored / enc["stored"] - 1).abs().max()) if stored.numel() else 0.0
         assert measured["scale_rel"] <= SCALE_REL_TOL, (
             f"stored scales are up to {measured['scale_rel']:.3e} (relative) from float64's "
-            f"(tolerance {SCALE_REL_TOL:.1e})")
+            f"(tolerance {SCALE_REL_TOL:.1e})"
+        )
     v = (enc["y"] / s[:, None]).clamp(-settings.format.max_value, settings.format.max_value)
     slack = CODE_SLACK * (v.abs() + settings.format.max_value)
     codes = wire_codes(buf, settings, x.numel())
@@ -192,7 +193,8 @@ def check_message(x: torch.Tensor, settings: CodecSettings, buf: torch.Tensor) -
         i = wrong.nonzero()[0].tolist()
         raise AssertionError(
             f"{int(wrong.sum())} of {codes.numel()} codes are not float64's rounding of y / s (first: group {i[0]} "
-            f"element {i[1]}: code {float(codes[i[0], i[1]])}, y / s = {float(v[i[0], i[1]]):.6g})")
+            f"element {i[1]}: code {float(codes[i[0], i[1]])}, y / s = {float(v[i[0], i[1]]):.6g})"
+        )
     measured["ties"] = float((codes != nearest).double().mean())
     return measured
 
@@ -212,12 +214,14 @@ def check_decode(
     measured = {"decode_rel": rel_l2(x_hat, reference) if reference.norm() > 0 else float(x_hat.double().norm())}
     assert measured["decode_rel"] <= DECODE_REL_TOL, (
         f"decode is {measured['decode_rel']:.3e} from the float64 decode of the same message "
-        f"(tolerance {DECODE_REL_TOL:.1e})")
+        f"(tolerance {DECODE_REL_TOL:.1e})"
+    )
     group = settings.group_size
     measured["signed"] = mean_group_gain_error(x_hat, x, group) - mean_group_gain_error(reference, x, group)
     assert abs(measured["signed"]) <= SIGNED_TOL, (
         f"signed error along x differs from the float64 decode's by {measured['signed']:+.3e} "
-        f"(tolerance {SIGNED_TOL:.1e})")
+        f"(tolerance {SIGNED_TOL:.1e})"
+    )
     return measured
 
 

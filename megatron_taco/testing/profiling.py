@@ -30,13 +30,22 @@ def codec_operators(events, range_name: str) -> List:
     host = [e for e in events if e.device_type == DeviceType.CPU]
 
     def forward_nodes(inside: bool) -> set:
-        return {op.sequence_nr for op in host if op.sequence_nr >= 0
-                and not any(a.name.startswith(BACKWARD_EVENT) for a in _enclosing(op))
-                and any(a.name == range_name for a in _enclosing(op)) == inside}
+        return {
+            op.sequence_nr
+            for op in host
+            if op.sequence_nr >= 0
+            and not any(a.name.startswith(BACKWARD_EVENT) for a in _enclosing(op))
+            and any(a.name == range_name for a in _enclosing(op)) == inside
+        }
 
     # an operator that creates no autograd node reports the next sequence number, which a node created after
     # the range may then take: numbers seen outside the range too are not the codec's
     codec_nodes = forward_nodes(True) - forward_nodes(False)
-    return [op for op in host if any(
-        a.name == range_name or (a.name.startswith(BACKWARD_EVENT) and a.sequence_nr in codec_nodes)
-        for a in _enclosing(op))]
+    return [
+        op
+        for op in host
+        if any(
+            a.name == range_name or (a.name.startswith(BACKWARD_EVENT) and a.sequence_nr in codec_nodes)
+            for a in _enclosing(op)
+        )
+    ]

@@ -32,7 +32,8 @@ def save_checkpoint(trainer: Trainer, root: str) -> str:
         "lr_scheduler": trainer.scheduler.state_dict(),
         "manifold_optimizer": (
             trainer.mapl_sync.optimizer.state_dict()
-            if trainer.mapl_sync is not None and trainer.mapl_sync.optimizer is not None else None
+            if trainer.mapl_sync is not None and trainer.mapl_sync.optimizer is not None
+            else None
         ),
         "torch_rng": torch.get_rng_state(),
         "world_size": dist.get_world_size(),
@@ -64,7 +65,9 @@ def load_checkpoint(trainer: Trainer, root: str) -> int:
     if state["world_size"] != dist.get_world_size():
         raise ValueError(f"--load {root}: saved with world size {state['world_size']}, now {dist.get_world_size()}")
     if len(state["model"]) != len(trainer.models):
-        raise ValueError(f"--load {root}: saved {len(state['model'])} model chunks per stage, now {len(trainer.models)}")
+        raise ValueError(
+            f"--load {root}: saved {len(state['model'])} model chunks per stage, now {len(trainer.models)}"
+        )
     for model, saved in zip(trainer.models, state["model"]):
         model.load_state_dict(saved)
     trainer.optimizer.load_state_dict(state["optimizer"])

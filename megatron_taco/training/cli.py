@@ -47,24 +47,38 @@ def add_lr_schedule_args(parser, length_flag: str) -> None:
     length defaults to the run's length, ``length_flag``)."""
     parser.add_argument("--min-lr", type=float, default=0.0, help="learning rate at the end of the decay")
     parser.add_argument("--lr-warmup-iters", type=int, default=0, help="steps of linear warm-up from 0 to --lr")
-    parser.add_argument("--lr-decay-style", choices=LR_DECAY_STYLES, default="constant",
-                        help="decay after the warm-up (MAPL's manifold learning rate follows the same factor)")
-    parser.add_argument("--lr-decay-iters", type=int, default=None,
-                        help=f"steps from the start to the end of the decay (default: {length_flag})")
+    parser.add_argument(
+        "--lr-decay-style",
+        choices=LR_DECAY_STYLES,
+        default="constant",
+        help="decay after the warm-up (MAPL's manifold learning rate follows the same factor)",
+    )
+    parser.add_argument(
+        "--lr-decay-iters",
+        type=int,
+        default=None,
+        help=f"steps from the start to the end of the decay (default: {length_flag})",
+    )
 
 
 def lr_schedule_settings(args: argparse.Namespace, length: int) -> Dict[str, Any]:
     """The schedule flags as TrainConfig fields (the decay ends at ``length`` unless --lr-decay-iters says)."""
-    return dict(min_lr=args.min_lr, lr_warmup_iters=args.lr_warmup_iters, lr_decay_style=args.lr_decay_style,
-                lr_decay_iters=args.lr_decay_iters or length)
+    return dict(
+        min_lr=args.min_lr,
+        lr_warmup_iters=args.lr_warmup_iters,
+        lr_decay_style=args.lr_decay_style,
+        lr_decay_iters=args.lr_decay_iters or length,
+    )
 
 
 def lr_schedule_flags(args: argparse.Namespace) -> str:
     """The schedule flags as given, for a report's command line ('' for the default constant lr)."""
     if not args.lr_warmup_iters and args.lr_decay_style == "constant":
         return ""
-    return (f"--lr-warmup-iters {args.lr_warmup_iters} --lr-decay-style {args.lr_decay_style} --min-lr {args.min_lr:g} "
-            + (f"--lr-decay-iters {args.lr_decay_iters} " if args.lr_decay_iters else ""))
+    return (
+        f"--lr-warmup-iters {args.lr_warmup_iters} --lr-decay-style {args.lr_decay_style} --min-lr {args.min_lr:g} "
+        + (f"--lr-decay-iters {args.lr_decay_iters} " if args.lr_decay_iters else "")
+    )
 
 
 def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -72,12 +86,17 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--config", help="YAML file with a model section and training defaults")
     group.add_argument("--tensor-model-parallel-size", type=int, default=1)
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    group.add_argument("--virtual-pipeline-model-parallel-size", type=int, default=None,
-                       help="model chunks per pipeline stage (interleaved 1F1B schedule)")
+    group.add_argument(
+        "--virtual-pipeline-model-parallel-size",
+        type=int,
+        default=None,
+        help="model chunks per pipeline stage (interleaved 1F1B schedule)",
+    )
     group.add_argument("--sequence-parallel", action=argparse.BooleanOptionalAction, default=False)
     group.add_argument("--micro-batch-size", type=int, default=2)
-    group.add_argument("--global-batch-size", type=int, default=None,
-                       help="default: micro-batch-size x data-parallel size")
+    group.add_argument(
+        "--global-batch-size", type=int, default=None, help="default: micro-batch-size x data-parallel size"
+    )
     group.add_argument("--train-iters", type=int, default=10)
     group.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     add_lr_schedule_args(group, "--train-iters")
@@ -86,17 +105,25 @@ def add_training_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParse
     group.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default="fp32")
     group.add_argument("--seed", type=int, default=1234)
     group.add_argument("--log-interval", type=int, default=1)
-    group.add_argument("--data", default="synthetic",
-                       help="synthetic (a learnable token stream), stdlib (the Python standard library's sources, "
-                            "byte-level) or a directory of text files (byte-level)")
-    group.add_argument("--eval-interval", type=int, default=0, help="steps between validation runs (0: only at the end "
-                       "when --eval-iters > 0)")
+    group.add_argument(
+        "--data",
+        default="synthetic",
+        help="synthetic (a learnable token stream), stdlib (the Python standard library's sources, "
+        "byte-level) or a directory of text files (byte-level)",
+    )
+    group.add_argument(
+        "--eval-interval",
+        type=int,
+        default=0,
+        help="steps between validation runs (0: only at the end when --eval-iters > 0)",
+    )
     group.add_argument("--eval-iters", type=int, default=0, help="validation steps per evaluation")
     group.add_argument("--save", default=None, help="directory for checkpoints")
     group.add_argument("--save-interval", type=int, default=0, help="steps between checkpoints (0: only at the end)")
     group.add_argument("--load", default=None, help="resume from the newest checkpoint in this directory")
-    group.add_argument("--tensorboard-dir", default=None,
-                       help="write loss, TACO and MAPL telemetry scalars here (rank 0)")
+    group.add_argument(
+        "--tensorboard-dir", default=None, help="write loss, TACO and MAPL telemetry scalars here (rank 0)"
+    )
     return parser
 
 
@@ -127,8 +154,14 @@ class _Parser(argparse.ArgumentParser):
 
 # The smallest value of each count flag (--global-batch-size may also be left unset: None).
 _FLAG_MINIMUMS = {
-    "tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "micro_batch_size": 1,
-    "global_batch_size": 1, "train_iters": 1, "log_interval": 1, "eval_interval": 0, "eval_iters": 0,
+    "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
+    "micro_batch_size": 1,
+    "global_batch_size": 1,
+    "train_iters": 1,
+    "log_interval": 1,
+    "eval_interval": 0,
+    "eval_iters": 0,
     "save_interval": 0,
 }
 _SECTION_PREFIXES = {"training": "", "taco": "taco_", "mapl": "mapl_"}
@@ -165,8 +198,9 @@ def _read_config(path: str) -> Dict[str, Any]:
         raise StartupError(f"--config {path}: unknown sections {unknown_sections}; known: {sections}")
     for section, values in doc.items():
         if values is not None and not isinstance(values, dict):
-            raise StartupError(f"--config {path}: section {section} must be a mapping of keys to values, "
-                               f"got {values!r}")
+            raise StartupError(
+                f"--config {path}: section {section} must be a mapping of keys to values, got {values!r}"
+            )
     return doc
 
 
@@ -174,7 +208,7 @@ def _section_keys(parser: argparse.ArgumentParser, prefix: str) -> List[str]:
     """The keys a config section takes: its flags' names without ``prefix``, with ``_`` for ``-``."""
     dests = {action.dest for action in parser._actions} - {"help", "config"}
     if prefix:
-        return sorted(dest[len(prefix):] for dest in dests if dest.startswith(prefix))
+        return sorted(dest[len(prefix) :] for dest in dests if dest.startswith(prefix))
     return sorted(dest for dest in dests if not dest.startswith(("taco_", "mapl_")))
 
 
@@ -196,8 +230,9 @@ def _apply_config_defaults(parser: argparse.ArgumentParser, argv: List[str]) -> 
         allowed = _section_keys(parser, prefix)
         unknown = sorted(set(values) - set(allowed))
         if unknown:
-            raise StartupError(f"--config {known.config}: unknown keys {unknown} in section {section}; "
-                               f"known: {allowed}")
+            raise StartupError(
+                f"--config {known.config}: unknown keys {unknown} in section {section}; known: {allowed}"
+            )
         defaults.update({prefix + key: value for key, value in values.items() if value is not None})
     parser.set_defaults(**defaults)
     return doc.get("model") or {}
@@ -229,10 +264,14 @@ def make_data(source: str, cfg: TrainConfig, seed: int, data_parallel_rank: int)
     shape = cfg.shape
     if source == "synthetic":
         train = synthetic_batches(shape.vocab_size, shape.seq_length, cfg.micro_batch_size, seed, data_parallel_rank)
-        valid = synthetic_batches(shape.vocab_size, shape.seq_length, cfg.micro_batch_size, seed + 1, data_parallel_rank)
+        valid = synthetic_batches(
+            shape.vocab_size, shape.seq_length, cfg.micro_batch_size, seed + 1, data_parallel_rank
+        )
         return train, valid
     if shape.vocab_size < 256:
-        raise ValueError(f"--data {source} is byte-level text: the model's vocab_size must be >= 256, got {shape.vocab_size}")
+        raise ValueError(
+            f"--data {source} is byte-level text: the model's vocab_size must be >= 256, got {shape.vocab_size}"
+        )
     if source == "stdlib":
         train_files, valid_files = stdlib_text_files()
     else:
@@ -300,8 +339,10 @@ def _check_resume(load: str, train_iters: int) -> None:
     if step is None:
         raise StartupError(f"--load {load}: no checkpoint (missing {os.path.join(load, 'latest')})")
     if step >= train_iters:
-        raise StartupError(f"--load {load}: its checkpoint is at step {step}, so --train-iters {train_iters} leaves "
-                           f"nothing to train; use --train-iters > {step}")
+        raise StartupError(
+            f"--load {load}: its checkpoint is at step {step}, so --train-iters {train_iters} leaves "
+            f"nothing to train; use --train-iters > {step}"
+        )
 
 
 def startup_config(args: argparse.Namespace, world_size: int) -> TrainConfig:
@@ -370,15 +411,18 @@ class RunRecord:
             return head + f"no steps run{f' (resumed at step {self.start})' if self.start else ''}"
         span = f"{first}-{last}" if count > 1 else f"{first}"
         resumed = f", resumed from step {self.start}" if self.start else ""
-        line = (f"{head}{count} step{'s' if count > 1 else ''} ({span} of {self.train_iters}{resumed}) in "
-                f"{time.perf_counter() - self.began:.1f} s; ")
+        line = (
+            f"{head}{count} step{'s' if count > 1 else ''} ({span} of {self.train_iters}{resumed}) in "
+            f"{time.perf_counter() - self.began:.1f} s; "
+        )
         first_rate = self.tokens_per_step / self.elapsed[0]
         if count == 1:
             return line + f"{first_rate:.0f} tokens/s (one step, start-up included)"
         mean = self.tokens_per_step * (count - 1) / sum(self.elapsed[1:])
         after = f"steps {first + 1}-{last}" if count > 2 else f"step {last}"
-        return line + (f"{mean:.0f} tokens/s mean over {after} "
-                       f"(step {first}, with start-up: {first_rate:.0f} tokens/s)")
+        return line + (
+            f"{mean:.0f} tokens/s mean over {after} (step {first}, with start-up: {first_rate:.0f} tokens/s)"
+        )
 
     def loss_line(self) -> Optional[str]:
         if self.loss is None:
@@ -392,21 +436,29 @@ class RunRecord:
 def _taco_summary(total: TrafficRecord, validated: bool) -> str:
     err = f"{total.mean_error:.4f}" if total.mean_error is not None else "-"
     scope = "whole run with validation" if validated else "whole run"
-    return (f"run summary: TACO tensor-parallel traffic, all ranks, {scope}: "
-            f"{mapl_telemetry.compared(total.payload_bytes, total.wire_bytes, summary=True)}; "
-            f"{total.compressed_calls} of {total.calls} messages compressed, sampled rel.err {err}")
+    return (
+        f"run summary: TACO tensor-parallel traffic, all ranks, {scope}: "
+        f"{mapl_telemetry.compared(total.payload_bytes, total.wire_bytes, summary=True)}; "
+        f"{total.compressed_calls} of {total.calls} messages compressed, sampled rel.err {err}"
+    )
 
 
 def _mapl_summary(traffic: List[mapl_telemetry.BoundaryTraffic], steps: int, pipeline_parallel: int) -> List[str]:
-    lines = [f"run summary: MAPL {mapl_telemetry.boundary_name(g, pipeline_parallel)} per training step, all ranks: "
-             f"{mapl_telemetry.describe_boundary(t, steps, summary=True)}" for g, t in enumerate(traffic)]
-    lines.append(f"run summary: MAPL total, {steps} training step{'s' if steps != 1 else ''}, all boundaries and "
-                 f"ranks: {mapl_telemetry.describe_total(traffic, summary=True)}")
+    lines = [
+        f"run summary: MAPL {mapl_telemetry.boundary_name(g, pipeline_parallel)} per training step, all ranks: "
+        f"{mapl_telemetry.describe_boundary(t, steps, summary=True)}"
+        for g, t in enumerate(traffic)
+    ]
+    lines.append(
+        f"run summary: MAPL total, {steps} training step{'s' if steps != 1 else ''}, all boundaries and "
+        f"ranks: {mapl_telemetry.describe_total(traffic, summary=True)}"
+    )
     return lines
 
 
-def summary_lines(run: RunRecord, args: argparse.Namespace, cfg: TrainConfig, device: torch.device,
-                  stopped: Optional[str] = None) -> List[str]:
+def summary_lines(
+    run: RunRecord, args: argparse.Namespace, cfg: TrainConfig, device: torch.device, stopped: Optional[str] = None
+) -> List[str]:
     """The end-of-run summary: steps and tokens/s, final losses, bytes sent vs uncompressed per mechanism.
 
     Adds the traffic up over all ranks (collectives): every rank calls it at the same step boundary."""
@@ -442,8 +494,11 @@ def _vq_wire(args: argparse.Namespace, trainer: Trainer) -> str:
     indices = args.mapl.vq_levels * index_bytes(args.mapl.vq_codes)
     dtype = trainer.config.pipeline_dtype
     sent = packed_width(args.mapl.vq_levels, args.mapl.vq_codes, dtype) * torch.empty((), dtype=dtype).element_size()
-    return (f"{indices} bytes/token forward" if sent == indices else
-            f"{indices} index bytes/token forward, sent as {sent} bytes in {str(dtype).replace('torch.', '')}")
+    return (
+        f"{indices} bytes/token forward"
+        if sent == indices
+        else f"{indices} index bytes/token forward, sent as {sent} bytes in {str(dtype).replace('torch.', '')}"
+    )
 
 
 def _train(args: argparse.Namespace) -> List[float]:
@@ -463,18 +518,29 @@ def _train(args: argparse.Namespace) -> List[float]:
     )
     if args.taco.enabled:
         layers = {name: format_ranges(numbers) for name, numbers in trainer.taco_layers.items()}
-        _log(f"TACO {args.taco.default.mode} on this rank's layers {layers}; "
-             f"min-bytes {'auto' if args.taco.min_bytes is None else args.taco.min_bytes}")
+        _log(
+            f"TACO {args.taco.default.mode} on this rank's layers {layers}; "
+            f"min-bytes {'auto' if args.taco.min_bytes is None else args.taco.min_bytes}"
+        )
     if args.mapl is not None:
         widths = cfg.mapl_widths
-        _log(f"MAPL: {len(widths)} boundar{'y' if len(widths) == 1 else 'ies'}, hidden {cfg.shape.hidden_size} -> "
-             f"{widths} "
-             f"({', '.join(f'{cfg.shape.hidden_size / r:g}x' for r in widths)}), anchor rank {args.mapl.anchor_rank}"
-             + (", position anchors" if cfg.mapl_position_anchors else "")
-             + (f", context anchors for {args.mapl.context_anchors} previous tokens" if args.mapl.context_anchors else "")
-             + (", fixed projection" if args.mapl.fixed_projection else "")
-             + (f", residual VQ {args.mapl.vq_levels} x {args.mapl.vq_codes} codes ({_vq_wire(args, trainer)})"
-                if args.mapl.vq_levels else ""))
+        _log(
+            f"MAPL: {len(widths)} boundar{'y' if len(widths) == 1 else 'ies'}, hidden {cfg.shape.hidden_size} -> "
+            f"{widths} "
+            f"({', '.join(f'{cfg.shape.hidden_size / r:g}x' for r in widths)}), anchor rank {args.mapl.anchor_rank}"
+            + (", position anchors" if cfg.mapl_position_anchors else "")
+            + (
+                f", context anchors for {args.mapl.context_anchors} previous tokens"
+                if args.mapl.context_anchors
+                else ""
+            )
+            + (", fixed projection" if args.mapl.fixed_projection else "")
+            + (
+                f", residual VQ {args.mapl.vq_levels} x {args.mapl.vq_codes} codes ({_vq_wire(args, trainer)})"
+                if args.mapl.vq_levels
+                else ""
+            )
+        )
     try:  # a --data source or a --load checkpoint this run cannot use: the message names the flag
         # one identical stream per model chunk (the interleaved schedule reads each chunk's own)
         streams = [make_data(args.data, cfg, args.seed, trainer.data_parallel_rank) for _ in trainer.models]
@@ -515,8 +581,10 @@ def _train(args: argparse.Namespace) -> List[float]:
                     + (" | skipped" if stats["skipped"] else "")
                     + (f" | {stats['codebook_rows']} code words synced" if args.mapl and args.mapl.vq_levels else "")
                 )
-            if valid is not None and args.eval_iters and (
-                (args.eval_interval and step % args.eval_interval == 0) or step == args.train_iters
+            if (
+                valid is not None
+                and args.eval_iters
+                and ((args.eval_interval and step % args.eval_interval == 0) or step == args.train_iters)
             ):
                 run.validation = (step, trainer.evaluate(valid, args.eval_iters))
                 _log(f"validation at step {step} | loss {run.validation[1]:.4f}")
@@ -535,8 +603,7 @@ def _train(args: argparse.Namespace) -> List[float]:
     return losses
 
 
-def _log_telemetry(args: argparse.Namespace, cfg: TrainConfig, trainer: Trainer, writer, step: int,
-                   steps: int) -> None:
+def _log_telemetry(args: argparse.Namespace, cfg: TrainConfig, trainer: Trainer, writer, step: int, steps: int) -> None:
     """TACO's lines (this rank's linears) and MAPL's (every boundary, all ranks: a collective) of the last
     ``steps`` steps, to the log and TensorBoard; then a new interval starts."""
     if args.taco.enabled:

@@ -80,22 +80,29 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.virtual_pipeline is not None:
             if self.pipeline_parallel < 2 or self.virtual_pipeline < 2:
-                raise ValueError("--virtual-pipeline-model-parallel-size: a virtual pipeline needs "
-                                 "--pipeline-model-parallel-size > 1 and at least 2 chunks per stage")
+                raise ValueError(
+                    "--virtual-pipeline-model-parallel-size: a virtual pipeline needs "
+                    "--pipeline-model-parallel-size > 1 and at least 2 chunks per stage"
+                )
             if self.shape.num_layers % (self.pipeline_parallel * self.virtual_pipeline):
-                raise ValueError(f"--virtual-pipeline-model-parallel-size: {self.shape.num_layers} layers do not split "
-                                 f"into {self.pipeline_parallel} stages x {self.virtual_pipeline} virtual chunks")
+                raise ValueError(
+                    f"--virtual-pipeline-model-parallel-size: {self.shape.num_layers} layers do not split "
+                    f"into {self.pipeline_parallel} stages x {self.virtual_pipeline} virtual chunks"
+                )
             if self.num_microbatches % self.pipeline_parallel:
-                raise ValueError(f"the interleaved schedule needs micro-batches ({self.num_microbatches}) divisible by "
-                                 f"--pipeline-model-parallel-size {self.pipeline_parallel}")
+                raise ValueError(
+                    f"the interleaved schedule needs micro-batches ({self.num_microbatches}) divisible by "
+                    f"--pipeline-model-parallel-size {self.pipeline_parallel}"
+                )
         if self.mapl is not None:
             self.mapl_widths  # validates the MAPL settings against the layout
             self.mapl_position_anchors  # and against the model's position embedding
 
     def _check_lr_schedule(self) -> None:
         if self.lr_decay_style not in LR_DECAY_STYLES:
-            raise ValueError(f"--lr-decay-style: invalid value {self.lr_decay_style!r}; choose from "
-                             f"{', '.join(LR_DECAY_STYLES)}")
+            raise ValueError(
+                f"--lr-decay-style: invalid value {self.lr_decay_style!r}; choose from {', '.join(LR_DECAY_STYLES)}"
+            )
         if self.lr <= 0:
             raise ValueError(f"--lr: invalid value {self.lr:g}; must be > 0")
         if not 0 <= self.min_lr <= self.lr:
@@ -106,16 +113,21 @@ class TrainConfig:
             if self.lr_decay_iters is None:
                 raise ValueError(f"--lr-decay-style {self.lr_decay_style} needs --lr-decay-iters")
             if self.lr_decay_iters <= self.lr_warmup_iters:
-                raise ValueError(f"--lr-decay-iters {self.lr_decay_iters} must be larger than --lr-warmup-iters "
-                                 f"{self.lr_warmup_iters} (the decay runs from the end of the warm-up)")
+                raise ValueError(
+                    f"--lr-decay-iters {self.lr_decay_iters} must be larger than --lr-warmup-iters "
+                    f"{self.lr_warmup_iters} (the decay runs from the end of the warm-up)"
+                )
 
     @property
     def lr_schedule_summary(self) -> str:
         """The learning-rate schedule in words, for logs and reports."""
         warmup = f", {self.lr_warmup_iters} warm-up steps from 0" if self.lr_warmup_iters else ""
         scheduled = self.lr_warmup_iters or self.lr_decay_style != "constant"
-        decay = (", then constant" if self.lr_decay_style == "constant" else
-                 f", {self.lr_decay_style} decay to {self.min_lr:g} at step {self.lr_decay_iters}")
+        decay = (
+            ", then constant"
+            if self.lr_decay_style == "constant"
+            else f", {self.lr_decay_style} decay to {self.min_lr:g} at step {self.lr_decay_iters}"
+        )
         follows = " (MAPL's manifold lr follows the same factor)" if scheduled and self.mapl is not None else ""
         return f"lr {self.lr:g}{warmup}{decay}{follows}"
 
@@ -154,8 +166,7 @@ class Trainer:
         model_parallel = cfg.tensor_parallel * cfg.pipeline_parallel
         if world % model_parallel:
             raise ValueError(
-                f"world size {world} is not divisible by TP x PP = {cfg.tensor_parallel} x "
-                f"{cfg.pipeline_parallel}"
+                f"world size {world} is not divisible by TP x PP = {cfg.tensor_parallel} x {cfg.pipeline_parallel}"
             )
         on_gpu = torch.cuda.is_available()
         if not on_gpu:
@@ -181,13 +192,21 @@ class Trainer:
             sequence_parallel=cfg.sequence_parallel,
             params_dtype=dtype,
             dropout=cfg.dropout,
-            extra={**LOCAL_SPEC_CONFIG, **({} if on_gpu else cpu_config_overrides()),
-                   "virtual_pipeline_model_parallel_size": cfg.virtual_pipeline},
+            extra={
+                **LOCAL_SPEC_CONFIG,
+                **({} if on_gpu else cpu_config_overrides()),
+                "virtual_pipeline_model_parallel_size": cfg.virtual_pipeline,
+            },
         )
-        chunks = [build_gpt_model(cfg.shape, self.config, layer_spec, seed=cfg.seed, vp_stage=vp).to(self.device)
-                  for vp in (range(cfg.virtual_pipeline) if cfg.virtual_pipeline else [None])]
-        self._mapl_stages = ([attach_mapl(chunk, cfg.mapl, cfg.seed, self.boundary_codec) for chunk in chunks]
-                             if cfg.mapl is not None else [])
+        chunks = [
+            build_gpt_model(cfg.shape, self.config, layer_spec, seed=cfg.seed, vp_stage=vp).to(self.device)
+            for vp in (range(cfg.virtual_pipeline) if cfg.virtual_pipeline else [None])
+        ]
+        self._mapl_stages = (
+            [attach_mapl(chunk, cfg.mapl, cfg.seed, self.boundary_codec) for chunk in chunks]
+            if cfg.mapl is not None
+            else []
+        )
         self.mapl_boundaries = [b for stage in self._mapl_stages for b in stage.boundaries()]
         self.taco_layers = attach_taco(chunks, cfg.taco).layers if cfg.taco is not None else {}
         if cfg.taco is not None:
@@ -195,7 +214,9 @@ class Trainer:
         if dtype != torch.float32:  # Megatron's mixed precision: half params, fp32 logits and main params
             chunks = [Float16Module(self.config, chunk) for chunk in chunks]  # MAPL state stays fp32 (BoundaryCodec)
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=False,
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
+            use_distributed_optimizer=False,
             # NaN/Inf gradients stop training with an error, compressed or not; except with fp16's dynamic
             # loss scaling, where they are the scaler's overflow signal (the step is skipped), as in Megatron-LM
             check_for_nan_in_grad=dtype != torch.float16,
@@ -220,13 +241,21 @@ class Trainer:
             self.models,
         )
         self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr, lr_warmup_steps=cfg.lr_warmup_iters,
+            self.optimizer,
+            init_lr=0.0,
+            max_lr=cfg.lr,
+            min_lr=cfg.min_lr,
+            lr_warmup_steps=cfg.lr_warmup_iters,
             # the constant style never reads the decay length; Megatron's scheduler wants it past the warm-up
             lr_decay_steps=cfg.lr_decay_iters if cfg.lr_decay_style != "constant" else cfg.lr_warmup_iters + 1,
             lr_decay_style=cfg.lr_decay_style,
-            start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=1, wd_incr_style="constant",
+            start_wd=cfg.weight_decay,
+            end_wd=cfg.weight_decay,
+            wd_incr_steps=1,
+            wd_incr_style="constant",
             # a resumed run takes the schedule given now and the checkpoint's step count
-            use_checkpoint_opt_param_scheduler=False, override_opt_param_scheduler=True,
+            use_checkpoint_opt_param_scheduler=False,
+            override_opt_param_scheduler=True,
         )
         self.config.finalize_model_grads_func = finalize_model_grads
         no_sync = [m.no_sync for m in self.models]
@@ -234,8 +263,9 @@ class Trainer:
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.step_count = 0
         # megatron-core's own P2P and buffers unless MAPL needs r-wide ones (and, with VQ, the index wire)
-        self.schedule_models, self.schedule_comm = (schedule_inputs(self.models, cfg.mapl) if cfg.mapl is not None
-                                                    else (self.models, {}))
+        self.schedule_models, self.schedule_comm = (
+            schedule_inputs(self.models, cfg.mapl) if cfg.mapl is not None else (self.models, {})
+        )
 
     boundary_codec = BoundaryCodec  # the codec class at every MAPL boundary (a study may put a variant here)
 
@@ -248,8 +278,10 @@ class Trainer:
         if len(self.models) == 1:
             return data_iterator
         if not isinstance(data_iterator, (list, tuple)) or len(data_iterator) != len(self.models):
-            raise ValueError(f"with {len(self.models)} model chunks per stage, pass a list of "
-                             f"{len(self.models)} identical data iterators")
+            raise ValueError(
+                f"with {len(self.models)} model chunks per stage, pass a list of "
+                f"{len(self.models)} identical data iterators"
+            )
         return list(data_iterator)
 
     def _forward_step(self, data_iterator: Iterator[Dict[str, torch.Tensor]], model: torch.nn.Module):

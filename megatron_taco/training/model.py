@@ -53,13 +53,10 @@ class ModelShape:
         if self.normalization not in ("LayerNorm", "RMSNorm"):
             raise ValueError(f"normalization must be LayerNorm or RMSNorm, got {self.normalization!r}")
         if self.position_embedding not in ("learned_absolute", "rope"):
-            raise ValueError(
-                f"position_embedding must be learned_absolute or rope, got {self.position_embedding!r}"
-            )
+            raise ValueError(f"position_embedding must be learned_absolute or rope, got {self.position_embedding!r}")
         if self.hidden_size % self.num_attention_heads:
             raise ValueError(
-                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads "
-                f"{self.num_attention_heads}"
+                f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
             )
 
     def padded_vocab_size(self, tensor_parallel: int) -> int:

@@ -40,7 +40,8 @@ def main():
     for key, value in {**LOCAL_SPEC_CONFIG, **cpu_config_overrides()}.items():
         setattr(config, key, value)
     model = GPTModelBuilder(GPTModelConfig(transformer=config, vocab_size=128, seq_length=args.seq_length)).build_model(
-        ProcessGroupCollection.use_mpu_process_groups())
+        ProcessGroupCollection.use_mpu_process_groups()
+    )
     report = {
         "taco_mode": args.taco_mode,
         "layers": [
