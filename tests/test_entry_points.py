@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 
-from megatron_taco.testing.distributed import run_distributed
+from megatron_taco.testing.distributed import DistributedTestError, run_distributed
 from megatron_taco.training import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -122,6 +122,21 @@ def test_trainer_trains_pp2_with_mapl_and_resumes(mapl, tmp_path):
     run_distributed(_train_cli, 2, common + ["--train-iters", "2", "--save", str(tmp_path)], timeout=180)
     resumed = run_distributed(_train_cli, 2, common + ["--train-iters", "4", "--load", str(tmp_path)], timeout=180)[0]
     assert resumed == straight[2:]
+    # another parallel layout, or another MAPL width: one line naming --load, not a state-dict traceback
+    other_layout = [*common[:2], "--taco-mode", "none", "--train-iters", "4", "--load", str(tmp_path)]
+    with pytest.raises(
+        DistributedTestError,
+        match=r"--load .*: saved with TP=1, PP=2, virtual PP=1, this run has "
+        r"TP=2, PP=1, virtual PP=1; resume with the layout it was saved with",
+    ):
+        run_distributed(_train_cli, 2, other_layout, timeout=180)
+    other_width = [("2" if i and common[i - 1] == "--mapl-ratio" else a) for i, a in enumerate(common)]
+    with pytest.raises(
+        DistributedTestError,
+        match=r"--load .*: the checkpoint does not fit this model \(size "
+        r"mismatch for .*mapl_.*\); resume with the model and settings it was saved with",
+    ):
+        run_distributed(_train_cli, 2, [*other_width, "--train-iters", "4", "--load", str(tmp_path)], timeout=180)
 
 
 def _free_port() -> int:

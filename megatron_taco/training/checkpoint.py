@@ -37,6 +37,7 @@ def save_checkpoint(trainer: Trainer, root: str) -> str:
         ),
         "torch_rng": torch.get_rng_state(),
         "world_size": dist.get_world_size(),
+        "layout": _layout(trainer),
     }
     torch.save(state, os.path.join(path, f"rank_{dist.get_rank():05d}.pt"))
     dist.barrier()
@@ -55,6 +56,16 @@ def latest_step(root: str) -> Optional[int]:
         return int(f.read().strip())
 
 
+def _layout(trainer: Trainer) -> dict:
+    """The parallel layout a checkpoint's per-rank shards belong to."""
+    cfg = trainer.cfg
+    return {"TP": cfg.tensor_parallel, "PP": cfg.pipeline_parallel, "virtual PP": cfg.virtual_pipeline or 1}
+
+
+def _describe(layout: dict) -> str:
+    return ", ".join(f"{name}={value}" for name, value in layout.items())
+
+
 def load_checkpoint(trainer: Trainer, root: str) -> int:
     """Restore this rank's state from the newest checkpoint under ``root``; return its step."""
     step = latest_step(root)
@@ -68,8 +79,20 @@ def load_checkpoint(trainer: Trainer, root: str) -> int:
         raise ValueError(
             f"--load {root}: saved {len(state['model'])} model chunks per stage, now {len(trainer.models)}"
         )
+    if "layout" in state and state["layout"] != _layout(trainer):
+        raise ValueError(
+            f"--load {root}: saved with {_describe(state['layout'])}, this run has "
+            f"{_describe(_layout(trainer))}; resume with the layout it was saved with"
+        )
     for model, saved in zip(trainer.models, state["model"]):
-        model.load_state_dict(saved)
+        try:
+            model.load_state_dict(saved)
+        except RuntimeError as exc:  # another model shape or other MAPL/TACO settings: name the first mismatch
+            first = next((line.strip() for line in str(exc).splitlines()[1:] if line.strip()), str(exc))
+            raise ValueError(
+                f"--load {root}: the checkpoint does not fit this model ({first}); resume with the "
+                "model and settings it was saved with"
+            ) from None
     trainer.optimizer.load_state_dict(state["optimizer"])
     if "lr_scheduler" in state:
         trainer.scheduler.load_state_dict(state["lr_scheduler"])
