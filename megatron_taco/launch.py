@@ -23,12 +23,13 @@ Supported: Megatron-LM core_r0.16.x through core_r0.19.x (see README).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import os
 import runpy
 import sys
 import typing
-from typing import Callable, List, Optional
+from typing import Callable, Iterator, List, Optional
 
 from megatron_taco.config.mapl import add_mapl_args
 from megatron_taco.config.taco import TacoConfigError, add_taco_args, taco_config_from_args
@@ -42,6 +43,33 @@ if not hasattr(typing, "override"):  # Megatron-LM 0.19's training package uses 
 
 def _rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
+
+
+def _fail(message: str) -> "typing.NoReturn":
+    """Stop this rank with exit code 2; rank 0 prints the one line (not one per rank, no traceback)."""
+    if _rank0():
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
+@contextlib.contextmanager
+def _one_line_parse_errors() -> Iterator[None]:
+    """While Megatron-LM's parser runs: a bad flag is one line on rank 0 (argparse prints its usage block on
+    every rank), and ``--help`` prints on rank 0 only."""
+    error, print_help = argparse.ArgumentParser.error, argparse.ArgumentParser.print_help
+
+    def one_line(parser: argparse.ArgumentParser, message: str) -> None:
+        _fail(f"{message} (see {parser.prog} --help)")
+
+    def help_on_rank0(parser: argparse.ArgumentParser, file=None) -> None:
+        if _rank0():
+            print_help(parser, file)
+
+    argparse.ArgumentParser.error, argparse.ArgumentParser.print_help = one_line, help_on_rank0
+    try:
+        yield
+    finally:
+        argparse.ArgumentParser.error, argparse.ArgumentParser.print_help = error, print_help
 
 
 def _with_taco_args(extra_args_provider: Optional[Callable]) -> Callable:
@@ -77,12 +105,13 @@ def _patch_parse_args() -> None:
 
     @functools.wraps(original_parse)
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
-        args = original_parse(_with_taco_args(extra_args_provider), ignore_unknown_args)
+        with _one_line_parse_errors():
+            args = original_parse(_with_taco_args(extra_args_provider), ignore_unknown_args)
         try:
             _STATE["taco"] = check_megatron_args(args)
             mapl_hooks.configure(args)
         except TacoConfigError as exc:
-            raise SystemExit(f"error: {exc}") from None
+            _fail(str(exc))
         return args
 
     mlm_arguments.parse_args = parse_args
@@ -140,7 +169,7 @@ def _patch_model_build() -> None:
                     )
             mapl_hooks.attach(self)
         except (TacoConfigError, ValueError) as exc:
-            raise SystemExit(f"error: {exc}") from None
+            _fail(str(exc))
         if mapl_hooks.describe() and first_of_stage:
             print(
                 f"megatron_taco: MAPL ({stage}, chunk {getattr(self, 'vp_stage', None) or 0}): {mapl_hooks.describe()}",
@@ -230,9 +259,8 @@ def use_checkout_of(script: str) -> None:
     loaded = sys.modules.get("megatron")
     checkout = os.path.join(folder, "megatron")
     if loaded is not None and os.path.isdir(checkout) and checkout not in [os.path.abspath(p) for p in loaded.__path__]:
-        raise SystemExit(
-            f"error: megatron was imported from {list(loaded.__path__)} before the launcher could put "
-            f"{folder} first on sys.path"
+        _fail(
+            f"megatron was imported from {list(loaded.__path__)} before the launcher could put {folder} first on sys.path"
         )
     sys.path.insert(0, folder)
 
@@ -240,10 +268,10 @@ def use_checkout_of(script: str) -> None:
 def main(argv: Optional[List[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0].startswith("-"):
-        raise SystemExit("usage: python -m megatron_taco.launch SCRIPT.py [Megatron-LM and --taco-* flags]")
+        _fail("usage: python -m megatron_taco.launch SCRIPT.py [Megatron-LM, --taco-* and --mapl-* flags]")
     script, script_args = argv[0], argv[1:]
     if not os.path.isfile(script):
-        raise SystemExit(f"error: training script {script!r} not found")
+        _fail(f"training script {script!r} not found")
     use_checkout_of(script)
     install_hooks()
     sys.argv = [script, *script_args]

@@ -82,12 +82,16 @@ def test_launcher_without_taco_flags_keeps_stock_behaviour(tmp_path):
         (["--taco-mode", "fp8", "--taco-layers", "2-9"], "--taco-layers: layer range 2-9 exceeds"),
         (["--mapl-ratio", "8"], "--mapl-ratio/--mapl-rank need --pipeline-model-parallel-size > 1"),
         (["--mapl-anchor-rank", "8"], "--mapl-anchor-rank given without --mapl-ratio"),
+        (["--no-such-flag"], "unrecognized arguments: --no-such-flag (see pretrain_standin.py --help)"),
+        (["--num-layers", "two"], "argument --num-layers: invalid int value: 'two' (see pretrain_standin.py --help)"),
     ],
 )
 def test_launcher_rejects_bad_flags_at_start_up(tmp_path, flags, message):
+    """One line, exit code 2: no usage block, no traceback."""
     proc, report = _launch(tmp_path, *flags)
-    assert proc.returncode != 0 and report is None
-    assert message in proc.stderr
+    assert proc.returncode == 2 and report is None
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), proc.stderr[-2000:]
 
 
 def test_launcher_needs_a_script():
