@@ -31,6 +31,7 @@ import sys
 import typing
 from typing import Callable, Iterator, List, Optional
 
+from megatron_taco.config.errors import ConfigError
 from megatron_taco.config.mapl import add_mapl_args
 from megatron_taco.config.taco import TacoConfigError, add_taco_args, taco_config_from_args
 from megatron_taco.mapl import megatron_lm as mapl_hooks
@@ -110,7 +111,7 @@ def _patch_parse_args() -> None:
         try:
             _STATE["taco"] = check_megatron_args(args)
             mapl_hooks.configure(args)
-        except TacoConfigError as exc:
+        except ConfigError as exc:  # --taco-* or --mapl-*
             _fail(str(exc))
         return args
 
@@ -168,7 +169,7 @@ def _patch_model_build() -> None:
                         flush=True,
                     )
             mapl_hooks.attach(self)
-        except (TacoConfigError, ValueError) as exc:
+        except ValueError as exc:  # a ConfigError, or a model TACO or MAPL cannot attach to
             _fail(str(exc))
         if mapl_hooks.describe() and first_of_stage:
             print(

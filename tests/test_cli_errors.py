@@ -137,3 +137,29 @@ def test_config_values_get_the_same_checks_as_flags(tmp_path):
     with open(TINY) as f:
         path.write_text(f.read().replace("micro_batch_size: 4", "micro_batch_size: 0"))
     assert _startup_error(["--config", str(path)]) == "--micro-batch-size: invalid value 0; expected an integer >= 1"
+
+
+def test_each_config_family_raises_its_own_error_type():
+    """--taco-* -> TacoConfigError, --mapl-* -> MaplConfigError, the trainer's flags and model section ->
+    TrainConfigError; all are ConfigError (a ValueError), and no family's type is another's."""
+    from megatron_taco.config.errors import ConfigError, MaplConfigError, TacoConfigError, TrainConfigError
+    import argparse
+    import dataclasses
+
+    from megatron_taco.config.mapl import MaplConfig
+    from megatron_taco.config.taco import add_taco_args, taco_config_from_args
+    from megatron_taco.testing.models import TINY_GPT
+    from megatron_taco.training.loop import TrainConfig
+
+    taco_flags = add_taco_args(argparse.ArgumentParser()).parse_args(["--taco-mode", "fp8", "--taco-layers", "2-9"])
+    with pytest.raises(TacoConfigError):
+        taco_config_from_args(taco_flags).check_layers(3)
+    with pytest.raises(MaplConfigError):
+        MaplConfig(context_anchors=-1)
+    with pytest.raises(TrainConfigError):
+        TrainConfig(TINY_GPT, tensor_parallel=1, sequence_parallel=True)
+    with pytest.raises(TrainConfigError):
+        dataclasses.replace(TINY_GPT, normalization="BatchNorm")
+    families = (TacoConfigError, MaplConfigError, TrainConfigError)
+    assert all(issubclass(family, ConfigError) and issubclass(family, ValueError) for family in families)
+    assert not any(issubclass(a, b) for a in families for b in families if a is not b)

@@ -6,11 +6,7 @@ import argparse
 import dataclasses
 from typing import List, Optional, Tuple
 
-from megatron_taco.config.taco import TacoConfigError
-
-
-class MaplConfigError(TacoConfigError):
-    """An invalid --mapl-* flag value or combination (the message names the flag)."""
+from megatron_taco.config.errors import MaplConfigError
 
 
 ANCHOR_INITS = ("embedding", "random")

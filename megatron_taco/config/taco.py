@@ -13,6 +13,7 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from megatron_taco.codec.format import FP8_FORMATS, GROUP_SIZES, SCALE_MODES
 from megatron_taco.codec.taco import BACKENDS
+from megatron_taco.config.errors import TacoConfigError
 
 MODES = ("none", "fp8", "fp8-ash")
 LINEARS = ("qkv", "proj", "fc1", "fc2")
@@ -21,10 +22,6 @@ DIRECTIONS = ("fwd", "bwd", "both")
 SCALES = tuple(SCALE_MODES)
 FORMATS = tuple(FP8_FORMATS)
 _SIZE_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-
-
-class TacoConfigError(ValueError):
-    """An invalid --taco-* flag value (the message names the flag)."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -33,6 +33,7 @@ from megatron_taco.config.mapl import add_mapl_args, mapl_config_from_args
 from megatron_taco.mapl import telemetry as mapl_telemetry
 from megatron_taco.mapl.telemetry import MAPL_TELEMETRY
 from megatron_taco.mapl.vq import index_bytes, packed_width
+from megatron_taco.config.errors import ConfigError, TrainConfigError
 from megatron_taco.config.taco import TacoConfigError, add_taco_args, check_backend_runs_here, taco_config_from_args
 from megatron_taco.megatron.attach import format_ranges
 from megatron_taco.megatron.telemetry import TELEMETRY, TrafficRecord
@@ -248,7 +249,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     try:
         args.taco = taco_config_from_args(args)
         args.mapl = mapl_config_from_args(args)
-    except TacoConfigError as exc:  # MaplConfigError is one too
+    except ConfigError as exc:  # the --taco-* and --mapl-* families
         raise StartupError(str(exc)) from None
     if not model:
         raise StartupError("--config with a model section is required")
@@ -291,7 +292,7 @@ def _num_microbatches(args: argparse.Namespace, data_parallel: int) -> int:
     per_step = args.micro_batch_size * data_parallel
     global_batch = args.global_batch_size or per_step
     if global_batch % per_step:
-        raise ValueError(
+        raise TrainConfigError(
             f"--global-batch-size {global_batch}: must be a multiple of --micro-batch-size x data-parallel size "
             f"= {args.micro_batch_size} x {data_parallel} = {per_step}"
         )
@@ -351,7 +352,7 @@ def startup_config(args: argparse.Namespace, world_size: int) -> TrainConfig:
     data_parallel = world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
     try:
         cfg = _train_config(args, data_parallel)
-    except ValueError as exc:  # invalid combinations: the message names the flags
+    except ValueError as exc:  # a ConfigError (invalid combinations: the message names the flags), or a codec's
         raise StartupError(str(exc)) from None
     try:
         check_backend_runs_here(args.taco.backend)

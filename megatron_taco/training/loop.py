@@ -29,6 +29,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_taco.megatron.cpu_runtime import cpu_config_overrides, enable_cpu_runtime
+from megatron_taco.config.errors import TrainConfigError
 from megatron_taco.config.mapl import MaplConfig
 from megatron_taco.config.taco import TacoConfig
 from megatron_taco.mapl.boundary import BoundaryCodec
@@ -71,26 +72,26 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+            raise TrainConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         self._check_lr_schedule()
         if self.sequence_parallel and self.tensor_parallel == 1:
-            raise ValueError("--sequence-parallel needs --tensor-model-parallel-size > 1")
+            raise TrainConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
         for name in ("tensor_parallel", "pipeline_parallel", "micro_batch_size", "num_microbatches"):
             if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise TrainConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.virtual_pipeline is not None:
             if self.pipeline_parallel < 2 or self.virtual_pipeline < 2:
-                raise ValueError(
+                raise TrainConfigError(
                     "--virtual-pipeline-model-parallel-size: a virtual pipeline needs "
                     "--pipeline-model-parallel-size > 1 and at least 2 chunks per stage"
                 )
             if self.shape.num_layers % (self.pipeline_parallel * self.virtual_pipeline):
-                raise ValueError(
+                raise TrainConfigError(
                     f"--virtual-pipeline-model-parallel-size: {self.shape.num_layers} layers do not split "
                     f"into {self.pipeline_parallel} stages x {self.virtual_pipeline} virtual chunks"
                 )
             if self.num_microbatches % self.pipeline_parallel:
-                raise ValueError(
+                raise TrainConfigError(
                     f"the interleaved schedule needs micro-batches ({self.num_microbatches}) divisible by "
                     f"--pipeline-model-parallel-size {self.pipeline_parallel}"
                 )
@@ -100,20 +101,20 @@ class TrainConfig:
 
     def _check_lr_schedule(self) -> None:
         if self.lr_decay_style not in LR_DECAY_STYLES:
-            raise ValueError(
+            raise TrainConfigError(
                 f"--lr-decay-style: invalid value {self.lr_decay_style!r}; choose from {', '.join(LR_DECAY_STYLES)}"
             )
         if self.lr <= 0:
-            raise ValueError(f"--lr: invalid value {self.lr:g}; must be > 0")
+            raise TrainConfigError(f"--lr: invalid value {self.lr:g}; must be > 0")
         if not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"--min-lr: invalid value {self.min_lr:g}; must be in [0, --lr {self.lr:g}]")
+            raise TrainConfigError(f"--min-lr: invalid value {self.min_lr:g}; must be in [0, --lr {self.lr:g}]")
         if self.lr_warmup_iters < 0:
-            raise ValueError(f"--lr-warmup-iters: invalid value {self.lr_warmup_iters}; must be >= 0")
+            raise TrainConfigError(f"--lr-warmup-iters: invalid value {self.lr_warmup_iters}; must be >= 0")
         if self.lr_decay_style != "constant":
             if self.lr_decay_iters is None:
-                raise ValueError(f"--lr-decay-style {self.lr_decay_style} needs --lr-decay-iters")
+                raise TrainConfigError(f"--lr-decay-style {self.lr_decay_style} needs --lr-decay-iters")
             if self.lr_decay_iters <= self.lr_warmup_iters:
-                raise ValueError(
+                raise TrainConfigError(
                     f"--lr-decay-iters {self.lr_decay_iters} must be larger than --lr-warmup-iters "
                     f"{self.lr_warmup_iters} (the decay runs from the end of the warm-up)"
                 )

@@ -21,6 +21,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_taco.config.errors import TrainConfigError
 from megatron_taco.megatron.specs import decoder_block_spec, transformer_layer_spec
 
 _ACTIVATIONS = {"gelu": (F.gelu, False), "swiglu": (F.silu, True)}
@@ -49,13 +50,15 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         if self.activation not in _ACTIVATIONS:
-            raise ValueError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {self.activation!r}")
+            raise TrainConfigError(f"activation must be one of {sorted(_ACTIVATIONS)}, got {self.activation!r}")
         if self.normalization not in ("LayerNorm", "RMSNorm"):
-            raise ValueError(f"normalization must be LayerNorm or RMSNorm, got {self.normalization!r}")
+            raise TrainConfigError(f"normalization must be LayerNorm or RMSNorm, got {self.normalization!r}")
         if self.position_embedding not in ("learned_absolute", "rope"):
-            raise ValueError(f"position_embedding must be learned_absolute or rope, got {self.position_embedding!r}")
+            raise TrainConfigError(
+                f"position_embedding must be learned_absolute or rope, got {self.position_embedding!r}"
+            )
         if self.hidden_size % self.num_attention_heads:
-            raise ValueError(
+            raise TrainConfigError(
                 f"hidden_size {self.hidden_size} is not divisible by num_attention_heads {self.num_attention_heads}"
             )
 
@@ -69,7 +72,7 @@ class ModelShape:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(values) - known)
         if unknown:
-            raise ValueError(f"unknown model fields {unknown}; known: {sorted(known)}")
+            raise TrainConfigError(f"unknown model fields {unknown}; known: {sorted(known)}")
         return cls(**values)
 
 
