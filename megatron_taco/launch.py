@@ -36,6 +36,8 @@ from megatron_taco.config.mapl import add_mapl_args
 from megatron_taco.config.taco import TacoConfigError, add_taco_args, taco_config_from_args
 from megatron_taco.mapl import megatron_lm as mapl_hooks
 
+__all__ = ["check_megatron_args", "install_hooks", "log_telemetry", "use_checkout_of", "main"]
+
 _STATE: dict = {"taco": None, "installed": False}
 
 if not hasattr(typing, "override"):  # Megatron-LM 0.19's training package uses typing.override (Python 3.12+)

@@ -21,3 +21,27 @@ pytestmark = pytest.mark.skipif(
 def test_ruff(command):
     proc = subprocess.run([RUFF, *command, *PATHS], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, f"ruff {' '.join(command)} found:\n{proc.stdout[-3000:]}{proc.stderr[-1000:]}"
+
+
+def test_every_module_declares_its_public_api():
+    """Each module of the package names its public API in ``__all__``, and every name there exists (package
+    folders whose ``__init__`` defines nothing are exempt)."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import megatron_taco
+
+    missing, broken = [], []
+    for info in pkgutil.walk_packages(megatron_taco.__path__, "megatron_taco."):
+        module = importlib.import_module(info.name)
+        public = [
+            name for name, value in vars(module).items() if not name.startswith("_") and not inspect.ismodule(value)
+        ]
+        if info.ispkg and not public:
+            continue
+        if not hasattr(module, "__all__"):
+            missing.append(info.name)
+        broken += [f"{info.name}.{name}" for name in getattr(module, "__all__", []) if not hasattr(module, name)]
+    assert not missing, f"no __all__ in {missing}"
+    assert not broken, f"__all__ names what does not exist: {broken}"

@@ -18,6 +18,8 @@ import torch
 
 from megatron_taco.codec.format import FP8_FORMATS
 
+__all__ = ["PerTensorFP8", "GroupINT8"]
+
 
 def _transformer_engine_quantizer(fmt: str, device: torch.device):
     """TE's Float8CurrentScalingQuantizer, or None when TE is not installed."""

@@ -29,6 +29,23 @@ from typing import Dict, Tuple
 
 import torch
 
+__all__ = [
+    "HEADER_BYTES",
+    "FP8Format",
+    "FP8_FORMATS",
+    "TRANSFORMS",
+    "SCALE_MODES",
+    "GROUP_SIZES",
+    "SUPPORTED_INPUT_DTYPES",
+    "NAN_CODE",
+    "CodecSettings",
+    "describe_settings_bytes",
+    "WireFormatError",
+    "header_bytes",
+    "header_words",
+    "check_header",
+]
+
 HEADER_BYTES = 16
 WIRE_VERSION = 1
 MAGIC = b"TACO"

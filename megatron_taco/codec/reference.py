@@ -38,6 +38,8 @@ import torch
 
 from megatron_taco.codec.format import NAN_CODE, CodecSettings
 
+__all__ = ["div_rn", "sqrt_rn", "inv_sqrt_group", "encode_groups", "decode_sum_groups"]
+
 ADAPTIVE_SCALE_MIN = 1e-3
 ADAPTIVE_SCALE_MAX = 1e3
 E8M0_MIN_EXP = -126

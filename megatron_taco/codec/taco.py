@@ -24,6 +24,8 @@ from megatron_taco.codec.format import (
     header_bytes,
 )
 
+__all__ = ["BACKENDS", "TacoCodec"]
+
 BACKENDS = ("auto", "torch", "triton")
 DEFAULT_SCALES = "fp32"
 

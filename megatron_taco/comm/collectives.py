@@ -32,6 +32,8 @@ import torch.distributed as dist
 from megatron_taco.codec import TacoCodec
 from megatron_taco.comm.handshake import ensure_same_settings
 
+__all__ = ["CommOptions", "DEFAULT_OPTIONS", "Handle", "compresses", "all_gather", "reduce_scatter", "all_reduce"]
+
 
 @dataclasses.dataclass(frozen=True)
 class CommOptions:

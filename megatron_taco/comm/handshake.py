@@ -20,6 +20,8 @@ import torch.distributed as dist
 from megatron_taco.codec import TacoCodec
 from megatron_taco.codec.format import CodecSettings, describe_settings_bytes
 
+__all__ = ["SettingsMismatchError", "ensure_same_settings"]
+
 _AGREED: Set[Tuple[object, bytes]] = set()  # (process group, fingerprint) pairs already checked
 
 

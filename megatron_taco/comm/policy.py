@@ -20,6 +20,8 @@ import torch.distributed as dist
 
 from megatron_taco.comm.collectives import CommOptions
 
+__all__ = ["FAST_LINK_GBPS", "NEVER", "measure_bus_bandwidth", "break_even_bytes", "auto_options"]
+
 # Measured on 2 x H200 (benchmarks/results/collectives.md): the probe reads ~118 GB/s on NVLink,
 # where compression lost at every size, ~23 GB/s over host memory and ~2.7 GB/s over sockets,
 # where it won from 64 MiB and 4 MiB on. A compressed collective costs ~0.6 ms more than the

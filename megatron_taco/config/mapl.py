@@ -8,6 +8,8 @@ from typing import List, Optional, Tuple
 
 from megatron_taco.config.errors import MaplConfigError
 
+__all__ = ["ANCHOR_INITS", "MaplConfig", "add_mapl_args", "mapl_config_from_args"]
+
 
 ANCHOR_INITS = ("embedding", "random")
 

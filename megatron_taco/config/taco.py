@@ -15,6 +15,17 @@ from megatron_taco.codec.format import FP8_FORMATS, GROUP_SIZES, SCALE_MODES
 from megatron_taco.codec.taco import BACKENDS
 from megatron_taco.config.errors import TacoConfigError
 
+__all__ = [
+    "MODES",
+    "LINEARS",
+    "DIRECTIONS",
+    "LinearSettings",
+    "TacoConfig",
+    "add_taco_args",
+    "check_backend_runs_here",
+    "taco_config_from_args",
+]
+
 MODES = ("none", "fp8", "fp8-ash")
 LINEARS = ("qkv", "proj", "fc1", "fc2")
 DIRECTIONS = ("fwd", "bwd", "both")

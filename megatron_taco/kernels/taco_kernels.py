@@ -31,6 +31,8 @@ import triton.language as tl
 from megatron_taco.codec import reference
 from megatron_taco.codec.format import NAN_CODE, CodecSettings, header_words
 
+__all__ = ["LAUNCH_CONFIG", "compress_rows", "decompress_rows"]
+
 _SCALE_MODE_IDS = {"fp32": 0, "dual": 1, "e8m0": 2}
 # GPU launch shape: elements per program (BLOCK_G = tile // G) and warps, per kernel.
 # Chosen from the sweep in benchmarks/kernels.py (see benchmarks/results/kernels.md).

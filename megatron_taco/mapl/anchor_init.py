@@ -29,6 +29,8 @@ from megatron.core import parallel_state
 
 from megatron_taco.mapl.boundary import BoundaryCodec
 
+__all__ = ["start_anchors_from_embedding"]
+
 
 def _embedding_tables(first_chunk: torch.nn.Module, with_positions: bool) -> torch.Tensor:
     """[V (+ S), d] fp32: the whole token table (gathered over TP), then the position table if asked for."""

@@ -34,6 +34,8 @@ import torch
 from megatron_taco.mapl.stiefel import random_stiefel
 from megatron_taco.mapl.vq import ResidualVQ, pack_indices, unpack_indices
 
+__all__ = ["BoundaryCodec"]
+
 
 class BoundaryCodec(torch.nn.Module):
     def __init__(

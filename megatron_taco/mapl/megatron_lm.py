@@ -31,6 +31,8 @@ from typing import Any, Callable, List, Optional
 
 from megatron_taco.config.mapl import MaplConfig, MaplConfigError, mapl_config_from_args
 
+__all__ = ["configure", "attach", "describe", "install", "log_lines"]
+
 _STATE: dict = {"cfg": None, "stages": [], "sync": None}
 
 

@@ -42,6 +42,8 @@ from megatron_taco.mapl.telemetry import MAPL_TELEMETRY, SHAPE_MESSAGE_BYTES
 from megatron_taco.mapl.vq import ResidualVQ, packed_width
 from megatron_taco.mapl.wire import IndexWireCommunicator
 
+__all__ = ["CODEC_RANGE", "MaplStage", "ScheduleView", "MaplSync", "attach_mapl", "start_mapl", "schedule_inputs"]
+
 # Profiler range around MAPL's own work (projection, anchors, VQ, replica synchronisation): a profile
 # attributes the kernels launched inside it, and by the backward of ops recorded inside it, to the codec.
 CODEC_RANGE = "mapl_codec"

@@ -18,6 +18,8 @@ from typing import List, Optional
 
 import torch
 
+__all__ = ["tangent_project", "retract_qr", "random_stiefel", "orthogonality_error", "StiefelMomentumSGD"]
+
 
 def sym(a: torch.Tensor) -> torch.Tensor:
     return 0.5 * (a + a.transpose(-1, -2))

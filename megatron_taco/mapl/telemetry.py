@@ -29,6 +29,20 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
+__all__ = [
+    "SHAPE_MESSAGE_BYTES",
+    "format_bytes",
+    "BoundaryTraffic",
+    "compared",
+    "boundary_name",
+    "describe_boundary",
+    "describe_total",
+    "MaplTelemetry",
+    "format_lines",
+    "write_tensorboard",
+    "MAPL_TELEMETRY",
+]
+
 SHAPE_MESSAGE_BYTES = 3 * 8  # megatron-core's variable-shape mode: the [s, b, h] shape as int64 before each tensor
 
 

@@ -37,6 +37,8 @@ from typing import Optional, Tuple
 import torch
 import torch.distributed as dist
 
+__all__ = ["index_bytes", "packed_width", "pack_indices", "unpack_indices", "ResidualVQ"]
+
 DEAD_CODE_FRACTION = 0.01  # a code with fewer than 1% of the mean assignments is restarted
 SPLIT_NOISE = 0.1  # a restarted code starts this many of its parent's standard deviations away
 _ONE_HOT_ELEMENTS = 1 << 23  # per chunk of the statistics' one-hot matmul: 64 MiB as int64, 32 MiB as fp32

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
+__all__ = ["IndexWireCommunicator"]
+
 
 class IndexWireCommunicator(P2PCommunicator):
     def __init__(self, pp_group: dist.ProcessGroup, config, index_width: int) -> None:

@@ -21,6 +21,8 @@ from megatron_taco.config.taco import LINEARS, LinearSettings, TacoConfig
 from megatron_taco.megatron.taco_linears import LinearCompression, compress_local_linear
 from megatron_taco.megatron.te_linears import TeCompression, compress_te_linear, is_te_linear
 
+__all__ = ["Attached", "format_ranges", "unwrap", "attach_taco"]
+
 # linear name in the flags -> (submodule, attribute) inside a TransformerLayer
 _LINEAR_PATHS = {
     "qkv": ("self_attention", "linear_qkv"),

@@ -21,6 +21,8 @@ from typing import Any, Callable, Dict, Iterator
 
 import torch
 
+__all__ = ["enable_cpu_runtime", "cpu_config_overrides"]
+
 _ENABLED = False
 
 

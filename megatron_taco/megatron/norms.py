@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+__all__ = ["SequenceParallelNorm"]
+
 
 class SequenceParallelNorm(torch.nn.Module):
     """``config.normalization`` ("LayerNorm" or "RMSNorm") over the last dim, SP-aware."""

@@ -29,6 +29,8 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 
 from megatron_taco.megatron.norms import SequenceParallelNorm
 
+__all__ = ["LOCAL_SPEC_CONFIG", "transformer_layer_spec", "decoder_block_spec"]
+
 # TransformerConfig fields for models built from these specs: the fused paths they turn off
 # need apex or Transformer Engine (CUDA extensions that are not installed with megatron-core).
 LOCAL_SPEC_CONFIG = dict(

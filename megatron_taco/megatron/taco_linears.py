@@ -35,6 +35,8 @@ from megatron_taco.codec import TacoCodec
 from megatron_taco.comm.policy import auto_options
 from megatron_taco.megatron.telemetry import TELEMETRY
 
+__all__ = ["LinearCompression", "compress_local_linear"]
+
 _AUTO_OPTIONS: dict = {}
 
 

@@ -41,6 +41,8 @@ import torch
 from megatron_taco import comm
 from megatron_taco.megatron.taco_linears import LinearCompression
 
+__all__ = ["TeCompression", "is_te_linear", "compress_te_linear"]
+
 # TE module file -> its autograd Function class (None: the file only sends output grads of row linears)
 _TE_FILES = {
     "transformer_engine.pytorch.module.linear": "_Linear",

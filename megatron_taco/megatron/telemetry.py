@@ -21,6 +21,8 @@ import torch.distributed as dist
 
 from megatron_taco.codec import TacoCodec
 
+__all__ = ["TrafficRecord", "TacoTelemetry", "TELEMETRY"]
+
 
 @dataclasses.dataclass
 class TrafficRecord:

@@ -17,6 +17,8 @@ import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
 
+__all__ = ["LINK_REGIMES", "DistributedTestError", "run_distributed"]
+
 _GRACE_AFTER_FAILURE_S = 10.0
 
 # The link regimes of DESIGN.md section 5: NCCL environment for a process pair on one 2-GPU host.

@@ -30,6 +30,17 @@ import torch
 
 from megatron_taco.codec.format import FP8_FORMATS, CodecSettings
 
+__all__ = [
+    "hadamard",
+    "encode",
+    "roundtrip",
+    "decode",
+    "rel_l2",
+    "mean_group_gain_error",
+    "check_decode",
+    "assert_matches_model",
+]
+
 ADAPTIVE_SCALE_RANGE = (1e-3, 1e3)  # the clamp of s_a in the paper's dual-scale form
 
 # Stored fp32 scales (s, or s_q and s_a of "dual") vs float64: 2.8e-7 relative at most (2-3 fp32 ulps

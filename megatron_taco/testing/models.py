@@ -2,6 +2,8 @@
 
 from megatron_taco.training.model import ModelShape
 
+__all__ = ["TINY_GPT", "TINY_QWEN"]
+
 TINY_GPT = ModelShape(
     num_layers=4,
     hidden_size=64,

@@ -8,6 +8,8 @@ from typing import Iterator, List, Tuple
 import torch
 import torch.distributed as dist
 
+__all__ = ["recording_p2p"]
+
 
 @contextlib.contextmanager
 def recording_p2p() -> Iterator[List[Tuple[str, torch.dtype, Tuple[int, ...]]]]:

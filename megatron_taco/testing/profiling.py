@@ -14,6 +14,8 @@ from typing import Iterator, List
 
 from torch.autograd import DeviceType
 
+__all__ = ["codec_operators"]
+
 BACKWARD_EVENT = "autograd::engine::evaluate_function"
 
 

@@ -6,6 +6,8 @@ from typing import Callable, Dict
 
 import torch
 
+__all__ = ["gaussian", "DISTRIBUTIONS"]
+
 
 def gaussian(shape, gen: torch.Generator) -> torch.Tensor:
     return torch.randn(shape, generator=gen)

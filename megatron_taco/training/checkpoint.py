@@ -16,6 +16,8 @@ import torch.distributed as dist
 
 from megatron_taco.training.loop import Trainer
 
+__all__ = ["save_checkpoint", "latest_step", "load_checkpoint"]
+
 
 def _iteration_dir(root: str, step: int) -> str:
     return os.path.join(root, f"iter_{step:07d}")

@@ -42,6 +42,16 @@ from megatron_taco.training.data import byte_text_batches, stdlib_text_files, sy
 from megatron_taco.training.loop import LR_DECAY_STYLES, Trainer, TrainConfig, init_distributed
 from megatron_taco.training.model import ModelShape
 
+__all__ = [
+    "add_lr_schedule_args",
+    "lr_schedule_settings",
+    "lr_schedule_flags",
+    "StartupError",
+    "parse_args",
+    "startup_config",
+    "main",
+]
+
 
 def add_lr_schedule_args(parser, length_flag: str) -> None:
     """--min-lr, --lr-warmup-iters, --lr-decay-style, --lr-decay-iters (Megatron-LM's names; the decay

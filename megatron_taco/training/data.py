@@ -12,6 +12,14 @@ from typing import Dict, Iterator
 
 import torch
 
+__all__ = [
+    "synthetic_batches",
+    "stdlib_text_files",
+    "build_byte_dataset",
+    "byte_text_batches",
+    "indexed_dataset_batches",
+]
+
 
 def synthetic_batches(
     vocab_size: int, seq_length: int, micro_batch_size: int, seed: int, data_parallel_rank: int = 0

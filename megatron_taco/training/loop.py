@@ -39,6 +39,8 @@ from megatron_taco.megatron.specs import LOCAL_SPEC_CONFIG
 from megatron_taco.megatron.telemetry import TELEMETRY
 from megatron_taco.training.model import ModelShape, build_gpt_model, make_transformer_config
 
+__all__ = ["LR_DECAY_STYLES", "TrainConfig", "init_distributed", "Trainer", "train"]
+
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 

@@ -24,6 +24,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_taco.config.errors import TrainConfigError
 from megatron_taco.megatron.specs import decoder_block_spec, transformer_layer_spec
 
+__all__ = ["ModelShape", "make_transformer_config", "build_gpt_model"]
+
 _ACTIVATIONS = {"gelu": (F.gelu, False), "swiglu": (F.silu, True)}
 
 

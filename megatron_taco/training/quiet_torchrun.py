@@ -19,6 +19,8 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
+__all__ = ["main"]
+
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run torchrun's launcher; the exit code of the first rank that failed (128 + N after signal N)."""
