@@ -60,7 +60,7 @@ def _cases() -> List[Case]:
         ("zero log interval", [tiny, "--log-interval", "0"]),
         ("zero iterations", [tiny, "--train-iters", "0"]),
         ("negative iterations", [tiny, "--train-iters", "-5"]),
-        ("global batch not a multiple of the micro-batches", [tiny, "--global-batch-size", "12"]),
+        ("global batch not a multiple of the micro-batches", [tiny, "--global-batch-size", "6"]),
         ("TP that does not divide the ranks", [tiny, "--tensor-model-parallel-size", "3"]),
         ("zero PP", [tiny, "--pipeline-model-parallel-size", "0"]),
         ("unknown TACO mode", [tiny, "--taco-mode", "int4"]),
