@@ -97,6 +97,8 @@ class TrainConfig:
                     f"the interleaved schedule needs micro-batches ({self.num_microbatches}) divisible by "
                     f"--pipeline-model-parallel-size {self.pipeline_parallel}"
                 )
+        if self.taco is not None:
+            self.taco.check_layers(self.shape.num_layers)  # at start-up, not when the model is built
         if self.mapl is not None:
             self.mapl_widths  # validates the MAPL settings against the layout
             self.mapl_position_anchors  # and against the model's position embedding
