@@ -94,7 +94,7 @@ def _cases() -> List[Case]:
         ("virtual pipeline without a pipeline", [tiny, "--virtual-pipeline-model-parallel-size", "2"]),
         ("negative learning rate", [tiny, "--lr", "-1"]),
         ("min lr above lr", [tiny, "--min-lr", "1"]),
-        ("cosine decay without its length", [tiny, "--lr-decay-style", "cosine"]),
+        ("negative warm-up", [tiny, "--lr-warmup-iters", "-1"]),
         (
             "decay shorter than the warm-up",
             [tiny, "--lr-decay-style", "linear", "--lr-decay-iters", "5", "--lr-warmup-iters", "10"],

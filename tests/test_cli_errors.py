@@ -48,6 +48,7 @@ def _startup_error(argv, world_size=2) -> str:
         (["--micro-batch-size", "two"], "argument --micro-batch-size: invalid int value: 'two' (see --help)"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag (see --help)"),
         (["--taco-mode", "bogus"], "--taco-mode: invalid value 'bogus'; choose from none, fp8, fp8-ash"),
+        (["--data", "no/such/folder"], "--data no/such/folder: no such file or directory"),
         (["--taco-layers", "2-99"], "--taco-layers: layer range 2-99 exceeds the model's 4 layers"),
         (["--mapl-ratio", "4"], "--mapl-ratio/--mapl-rank need --pipeline-model-parallel-size > 1"),
         (

@@ -23,7 +23,7 @@ import pathlib
 import signal
 import sys
 import time
-from typing import Any, Dict, List, NoReturn, Optional
+from typing import Any, Dict, List, NoReturn, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -270,6 +270,24 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     return args
 
 
+def text_files(source: str, shape: ModelShape) -> Tuple[List[pathlib.Path], List[pathlib.Path]]:
+    """(training files, validation files) of a byte-level text --data source; ValueError naming --data when the
+    model or the source cannot be used (checked at start-up, and again when the data is read)."""
+    if shape.vocab_size < 256:
+        raise ValueError(
+            f"--data {source} is byte-level text: the model's vocab_size must be >= 256, got {shape.vocab_size}"
+        )
+    if source == "stdlib":
+        return stdlib_text_files()
+    root = pathlib.Path(source)
+    if not root.exists():
+        raise ValueError(f"--data {source}: no such file or directory")
+    files = sorted(p for p in (root.rglob("*") if root.is_dir() else [root]) if p.is_file())
+    if len(files) < 2:
+        raise ValueError(f"--data {source}: need at least 2 text files (one is held out for validation)")
+    return files[1:], files[:1]
+
+
 def make_data(source: str, cfg: TrainConfig, seed: int, data_parallel_rank: int):
     """(train iterator, validation iterator or None) for --data."""
     shape = cfg.shape
@@ -279,20 +297,7 @@ def make_data(source: str, cfg: TrainConfig, seed: int, data_parallel_rank: int)
             shape.vocab_size, shape.seq_length, cfg.micro_batch_size, seed + 1, data_parallel_rank
         )
         return train, valid
-    if shape.vocab_size < 256:
-        raise ValueError(
-            f"--data {source} is byte-level text: the model's vocab_size must be >= 256, got {shape.vocab_size}"
-        )
-    if source == "stdlib":
-        train_files, valid_files = stdlib_text_files()
-    else:
-        root = pathlib.Path(source)
-        if not root.exists():
-            raise ValueError(f"--data {source}: no such file or directory")
-        files = sorted(p for p in (root.rglob("*") if root.is_dir() else [root]) if p.is_file())
-        if len(files) < 2:
-            raise ValueError(f"--data {source}: need at least 2 text files (one is held out for validation)")
-        train_files, valid_files = files[1:], files[:1]
+    train_files, valid_files = text_files(source, shape)
     train = byte_text_batches(train_files, shape.seq_length, cfg.micro_batch_size, seed, data_parallel_rank)
     valid = byte_text_batches(valid_files, shape.seq_length, cfg.micro_batch_size, seed + 1, data_parallel_rank)
     return train, valid
@@ -368,6 +373,11 @@ def startup_config(args: argparse.Namespace, world_size: int) -> TrainConfig:
         check_backend_runs_here(args.taco.backend)
     except TacoConfigError as exc:
         raise StartupError(str(exc)) from None
+    if args.data != "synthetic":
+        try:
+            text_files(args.data, cfg.shape)
+        except ValueError as exc:
+            raise StartupError(str(exc)) from None
     if args.load:
         _check_resume(args.load, args.train_iters)
     return cfg
