@@ -63,7 +63,7 @@ def _cases() -> List[Case]:
         ("global batch not a multiple of the micro-batches", [tiny, "--global-batch-size", "6"]),
         ("TP that does not divide the ranks", [tiny, "--tensor-model-parallel-size", "3"]),
         ("zero PP", [tiny, "--pipeline-model-parallel-size", "0"]),
-        ("unknown TACO mode", [tiny, "--taco-mode", "int4"]),
+        ("unknown TACO mode", [tiny, "--taco-mode", "int8"]),
         ("TACO layers past the model", [tiny, "--taco-layers", "2-99"]),
         ("unknown linear", [tiny, "--taco-linears", "fc3"]),
         ("TE backend (not built)", [tiny, "--taco-backend", "te"]),
@@ -132,7 +132,7 @@ def _cases() -> List[Case]:
         Case("config that is a list", ["list.yaml"], files=(("list.yaml", "- 1\n- 2\n"),)),
     ]
     launcher = [
-        ("launcher: unknown TACO mode", ["--taco-mode", "int4"]),
+        ("launcher: unknown TACO mode", ["--taco-mode", "int8"]),
         ("launcher: misspelt Megatron-LM flag", ["--num-layer", "3"]),
         ("launcher: word for a number", ["--num-layers", "two"]),
         ("launcher: TACO with TE's userbuffers", ["--taco-mode", "fp8", "--tp-comm-overlap"]),

@@ -47,7 +47,10 @@ def _startup_error(argv, world_size=2) -> str:
         (["--save-interval", "-1"], "--save-interval: invalid value -1; expected an integer >= 0"),
         (["--micro-batch-size", "two"], "argument --micro-batch-size: invalid int value: 'two' (see --help)"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag (see --help)"),
-        (["--taco-mode", "bogus"], "--taco-mode: invalid value 'bogus'; choose from none, fp8, fp8-ash"),
+        (
+            ["--taco-mode", "bogus"],
+            "--taco-mode: invalid value 'bogus'; choose from none, fp8, fp8-ash, fp4, fp4-ash, int4, int4-ash",
+        ),
         (["--data", "no/such/folder"], "--data no/such/folder: no such file or directory"),
         (["--taco-layers", "2-99"], "--taco-layers: layer range 2-99 exceeds the model's 4 layers"),
         (["--mapl-ratio", "4"], "--mapl-ratio/--mapl-rank need --pipeline-model-parallel-size > 1"),

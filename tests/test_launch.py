@@ -77,7 +77,7 @@ def test_launcher_without_taco_flags_keeps_stock_behaviour(tmp_path):
 @pytest.mark.parametrize(
     "flags,message",
     [
-        (["--taco-mode", "int4"], "--taco-mode: invalid value 'int4'"),
+        (["--taco-mode", "int8"], "--taco-mode: invalid value 'int8'"),
         (["--taco-mode", "fp8", "--tp-comm-overlap"], "--taco-mode fp8 with --tp-comm-overlap"),
         (["--taco-mode", "fp8", "--taco-layers", "2-9"], "--taco-layers: layer range 2-9 exceeds"),
         (["--mapl-ratio", "8"], "--mapl-ratio/--mapl-rank need --pipeline-model-parallel-size > 1"),

@@ -9,13 +9,14 @@ decoding garbage::
 
     bytes 0-3   magic b"TACO"
     byte  4     wire-format version
-    byte  5     transform (low nibble) | fp8 format (high nibble)
+    byte  5     transform (low nibble) | element format (high nibble)
     byte  6     log2(group size)
     byte  7     scale storage
     bytes 8-15  element count, little-endian uint64
 
-Codes are FP8 bit patterns (the last group is zero-padded; padding never
-reaches the output). Scales are per group: ``dual`` stores (s_q, s_a) as two
+Codes are FP8 bit patterns, one byte per element, or 4-bit codes (FP4 E2M1 bit
+patterns, or two's-complement INT4) packed two per byte, element 2i in the low
+nibble (the last group is zero-padded; padding never reaches the output). Scales are per group: ``dual`` stores (s_q, s_a) as two
 fp32, ``fp32`` stores one folded fp32 scale, ``e8m0`` one biased power-of-two
 exponent byte.
 """
@@ -25,13 +26,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import struct
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 
 __all__ = [
     "HEADER_BYTES",
-    "FP8Format",
+    "ElementFormat",
+    "ELEMENT_FORMATS",
     "FP8_FORMATS",
     "TRANSFORMS",
     "SCALE_MODES",
@@ -52,29 +54,39 @@ MAGIC = b"TACO"
 
 
 @dataclasses.dataclass(frozen=True)
-class FP8Format:
+class ElementFormat:
+    """What one element travels as: an FP8 or FP4 float grid, or the integers of INT4."""
+
     name: str
-    torch_dtype: torch.dtype
+    torch_dtype: Optional[torch.dtype]  # the FP8 dtype whose bit patterns are the codes (None: 4-bit codes)
     max_value: float
     mantissa_bits: int
-    min_normal_exp: int  # exponent of the smallest normal number
+    min_normal_exp: int  # exponent of the smallest normal number (floats)
     code_id: int
+    bits: int = 8  # 8: one code per byte; 4: two per byte
+    integer: bool = False  # INT4: round to the integers -7..7
 
 
-FP8_FORMATS: Dict[str, FP8Format] = {
-    "e4m3": FP8Format("e4m3", torch.float8_e4m3fn, 448.0, 3, -6, 0),
-    "e5m2": FP8Format("e5m2", torch.float8_e5m2, 57344.0, 2, -14, 1),
+ELEMENT_FORMATS: Dict[str, ElementFormat] = {
+    "e4m3": ElementFormat("e4m3", torch.float8_e4m3fn, 448.0, 3, -6, 0),
+    "e5m2": ElementFormat("e5m2", torch.float8_e5m2, 57344.0, 2, -14, 1),
+    # FP4 E2M1 (the OCP MX / NVFP4 element): 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives
+    "e2m1": ElementFormat("e2m1", None, 6.0, 1, 0, 2, bits=4),
+    # symmetric INT4: -7..7 (the code -8 is never written)
+    "int4": ElementFormat("int4", None, 7.0, 0, 0, 3, bits=4, integer=True),
 }
+FP8_FORMATS: Dict[str, ElementFormat] = {k: f for k, f in ELEMENT_FORMATS.items() if f.bits == 8}
 TRANSFORMS = {"ash": 0, "none": 1}
 SCALE_MODES = {"dual": (2, 8), "fp32": (1, 4), "e8m0": (3, 1)}  # name: (wire id, bytes per group)
 GROUP_SIZES = (32, 64, 128, 256)
 SUPPORTED_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-NAN_CODE = 0x7F  # a NaN bit pattern in both E4M3 (fn) and E5M2
+NAN_CODE = 0x7F  # a NaN bit pattern in both E4M3 (fn) and E5M2 (4-bit codes have none: the scale carries NaN)
 
 
 @dataclasses.dataclass(frozen=True)
 class CodecSettings:
-    """Validated settings of one codec. ``transform="none"`` is per-group FP8 without Hadamard."""
+    """Validated settings of one codec. ``transform="none"`` is per-group quantization without Hadamard;
+    ``fmt`` is the element format (FP8 E4M3 / E5M2, FP4 E2M1, INT4)."""
 
     group_size: int = 128
     fmt: str = "e4m3"
@@ -85,8 +97,8 @@ class CodecSettings:
     def __post_init__(self) -> None:
         if self.group_size not in GROUP_SIZES:
             raise ValueError(f"group_size must be one of {GROUP_SIZES}, got {self.group_size!r}")
-        if self.fmt not in FP8_FORMATS:
-            raise ValueError(f"fmt must be one of {sorted(FP8_FORMATS)}, got {self.fmt!r}")
+        if self.fmt not in ELEMENT_FORMATS:
+            raise ValueError(f"fmt must be one of {sorted(ELEMENT_FORMATS)}, got {self.fmt!r}")
         if self.transform not in TRANSFORMS:
             raise ValueError(f"transform must be one of {sorted(TRANSFORMS)}, got {self.transform!r}")
         if self.scales not in SCALE_MODES:
@@ -95,8 +107,13 @@ class CodecSettings:
             raise ValueError("scales='dual' stores the adaptive scale of transform='ash'; use 'fp32' or 'e8m0'")
 
     @property
-    def format(self) -> FP8Format:
-        return FP8_FORMATS[self.fmt]
+    def format(self) -> ElementFormat:
+        return ELEMENT_FORMATS[self.fmt]
+
+    @property
+    def code_bytes(self) -> int:
+        """Bytes of one group's codes (G for 8-bit formats, G / 2 for 4-bit ones)."""
+        return self.group_size * self.format.bits // 8
 
     @property
     def scale_bytes(self) -> int:
@@ -121,12 +138,12 @@ class CodecSettings:
 
     def compressed_nbytes(self, numel: int) -> int:
         groups = self.num_groups(numel)
-        return HEADER_BYTES + groups * (self.group_size + self.scale_bytes)
+        return HEADER_BYTES + groups * (self.code_bytes + self.scale_bytes)
 
     def layout(self, numel: int) -> Tuple[int, int, int]:
         """(number of groups, byte offset of codes, byte offset of scales) in a message."""
         groups = self.num_groups(numel)
-        return groups, HEADER_BYTES, HEADER_BYTES + groups * self.group_size
+        return groups, HEADER_BYTES, HEADER_BYTES + groups * self.code_bytes
 
 
 def describe_settings_bytes(raw: bytes) -> str:
@@ -134,7 +151,7 @@ def describe_settings_bytes(raw: bytes) -> str:
     if version != WIRE_VERSION:
         return f"wire version {version}"
     transform = {v: k for k, v in TRANSFORMS.items()}.get(packed & 0xF, f"?{packed & 0xF}")
-    fmt = {f.code_id: f.name for f in FP8_FORMATS.values()}.get(packed >> 4, f"?{packed >> 4}")
+    fmt = {f.code_id: f.name for f in ELEMENT_FORMATS.values()}.get(packed >> 4, f"?{packed >> 4}")
     scales = {v[0]: k for k, v in SCALE_MODES.items()}.get(scale_id, f"?{scale_id}")
     return f"group_size={1 << log2_group} fmt={fmt} transform={transform} scales={scales}"
 

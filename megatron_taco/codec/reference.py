@@ -21,6 +21,9 @@ Per group of G values x (fp32), with M the FP8 maximum (448 for E4M3):
     scales="e8m0": as "fp32" with s rounded up to a power of two 2^e (q = y * 2^-e
         is exact); stores the byte e + 127.
     transform="none": y = x (per-group FP8 without Hadamard).
+    4-bit formats (M = 6 for FP4 E2M1, 7 for INT4): the same, with q rounded to the
+        E2M1 grid (ties to even) or to the integers (ties to even), coded in 4 bits and
+        packed two per byte (element 2i in the low nibble).
 
 The sum of N messages (the reduce-scatter's local step) is H(sum_r q_r s_r)/sqrt(G)
 for one-scale modes: one transform instead of N.
@@ -36,9 +39,18 @@ from typing import Sequence, Tuple
 
 import torch
 
-from megatron_taco.codec.format import NAN_CODE, CodecSettings
+from megatron_taco.codec.format import NAN_CODE, CodecSettings, ElementFormat
 
-__all__ = ["div_rn", "sqrt_rn", "inv_sqrt_group", "encode_groups", "decode_sum_groups"]
+__all__ = [
+    "div_rn",
+    "sqrt_rn",
+    "inv_sqrt_group",
+    "round_to_grid",
+    "round_to_integer",
+    "encode_groups",
+    "code_values",
+    "decode_sum_groups",
+]
 
 ADAPTIVE_SCALE_MIN = 1e-3
 ADAPTIVE_SCALE_MAX = 1e3
@@ -106,8 +118,72 @@ def _pow2(exponent: torch.Tensor) -> torch.Tensor:
     return ((exponent + 127) << 23).to(torch.int32).view(torch.float32)
 
 
+# 1.5 * 2^23: adding and subtracting it rounds an fp32 |v| < 2^22 to an integer, ties to even
+_ROUND_TO_INTEGER = 12582912.0
+
+
+def round_to_grid(v: torch.Tensor, mantissa_bits: int, min_normal_exp: int) -> torch.Tensor:
+    """Round finite fp32 ``v`` to the nearest value of a float format with ``mantissa_bits`` and smallest
+    normal 2^min_normal_exp (ties to even), with integer arithmetic on the fp32 bits for normal values and the
+    fp32 adder for subnormal ones (the kernels' ``_round_to_grid``, bit for bit)."""
+    drop = 23 - mantissa_bits
+    bits = v.view(torch.int32)
+    sign = bits & -(2**31)
+    magnitude = bits & 0x7FFFFFFF
+    lsb = (magnitude >> drop) & 1
+    normal = (magnitude + ((1 << (drop - 1)) - 1) + lsb) & ~((1 << drop) - 1)
+    shifter = _f32(1.5 * 2.0 ** (min_normal_exp - mantissa_bits + 23), v)  # its ulp is the subnormal step
+    absolute = magnitude.view(torch.float32)
+    subnormal = ((absolute + shifter) - shifter).view(torch.int32)
+    rounded = torch.where(absolute < 2.0**min_normal_exp, subnormal, normal)
+    return (rounded | sign).view(torch.float32)
+
+
+def round_to_integer(v: torch.Tensor) -> torch.Tensor:
+    """Round fp32 ``v`` (|v| < 2^22) to an integer, ties to even (the kernels' same two additions)."""
+    shifter = _f32(_ROUND_TO_INTEGER, v)
+    return (v + shifter) - shifter
+
+
+def _four_bit_codes(q: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
+    """4-bit codes (int32 0..15) of q, |q| <= M: two's-complement INT4, or the E2M1 bit pattern s|ee|m."""
+    if fmt.integer:
+        return round_to_integer(q).to(torch.int32) & 0xF
+    r = round_to_grid(q, fmt.mantissa_bits, fmt.min_normal_exp)
+    bits = r.view(torch.int32)
+    sign = (bits >> 31) & 1
+    exponent = ((bits >> 23) & 0xFF) - 127
+    mantissa = (bits >> 22) & 1
+    magnitude = r.abs()
+    code = torch.where(
+        magnitude >= 1.0,
+        ((exponent + 1) << 1) | mantissa,
+        torch.where(magnitude == 0.5, torch.ones_like(bits), torch.zeros_like(bits)),
+    )
+    return code | (sign << 3)
+
+
+def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """[n, G] codes 0..15 -> [n, G / 2] bytes, element 2i in the low nibble."""
+    return (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+
+
+def code_values(codes: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
+    """The fp32 values [n, G] of a message's codes: [n, G] FP8 bytes, or [n, G / 2] packed 4-bit codes."""
+    if fmt.bits == 8:
+        return codes.view(fmt.torch_dtype).float()
+    nibbles = torch.stack([codes & 0xF, codes >> 4], dim=-1).reshape(codes.shape[0], -1).to(torch.int32)
+    if fmt.integer:
+        return ((nibbles ^ 8) - 8).float()
+    exponent = (nibbles >> 1) & 3
+    half_steps = (nibbles & 1).float()
+    power = ((exponent - 1 + 127).clamp(min=1) << 23).view(torch.float32)  # 2^(e - 1), exact
+    magnitude = torch.where(exponent == 0, half_steps * 0.5, power * (1.0 + 0.5 * half_steps))
+    return torch.where((nibbles & 8) != 0, -magnitude, magnitude)
+
+
 def encode_groups(x: torch.Tensor, settings: CodecSettings) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Encode fp32 groups ``x`` of shape [n, G]; return (codes uint8 [n, G], scales).
+    """Encode fp32 groups ``x`` of shape [n, G]; return (codes uint8 [n, G] or, 4-bit, [n, G / 2], scales).
 
     Scales are fp32 [n, 2] (s_q, s_a) for "dual", fp32 [n, 1] for "fp32", uint8 [n, 1] for "e8m0".
     """
@@ -138,7 +214,11 @@ def encode_groups(x: torch.Tensor, settings: CodecSettings) -> Tuple[torch.Tenso
         inv_s_q = torch.where(amax > 0, div_rn(fp8_max, amax), torch.ones_like(amax))
         q = y * inv_s_q[:, None]
         stored = torch.stack([s_q, s_a], dim=-1) if settings.scales == "dual" else s_q[:, None]
-    codes = q.clamp(-fmt.max_value, fmt.max_value).to(fmt.torch_dtype).view(torch.uint8)
+    q = q.clamp(-fmt.max_value, fmt.max_value)
+    if fmt.bits == 4:  # a non-finite group's NaN scale decodes it to NaN; its codes are zeros
+        codes = torch.where(nonfinite[:, None], 0, _four_bit_codes(q, fmt))
+        return _pack_nibbles(codes), stored
+    codes = q.to(fmt.torch_dtype).view(torch.uint8)
     codes = torch.where(nonfinite[:, None], torch.full_like(codes, NAN_CODE), codes)
     return codes, stored
 
@@ -152,8 +232,8 @@ def decode_scale(scales: torch.Tensor, settings: CodecSettings) -> torch.Tensor:
 
 
 def decode_groups(codes: torch.Tensor, scales: torch.Tensor, settings: CodecSettings) -> torch.Tensor:
-    """Decode [n, G] codes and their scales back to fp32 groups."""
-    y = codes.view(settings.format.torch_dtype).float() * decode_scale(scales, settings)[:, None]
+    """Decode a message's codes (see :func:`code_values`) and their scales back to fp32 groups [n, G]."""
+    y = code_values(codes, settings.format) * decode_scale(scales, settings)[:, None]
     if settings.transform == "none":
         return y
     x = fwht(y) * _f32(inv_sqrt_group(settings.group_size), y)
@@ -172,13 +252,13 @@ def decode_sum_groups(
     divides each message by its own s_a after its transform, so it sums decodes.
     """
     if settings.scales == "dual":
-        total = torch.zeros_like(codes[0], dtype=torch.float32)
+        total = torch.zeros(codes[0].shape[0], settings.group_size, dtype=torch.float32, device=codes[0].device)
         for c, s in zip(codes, scales):
             total = total + decode_groups(c, s, settings)
         return total
-    acc = torch.zeros_like(codes[0], dtype=torch.float32)
+    acc = torch.zeros(codes[0].shape[0], settings.group_size, dtype=torch.float32, device=codes[0].device)
     for c, s in zip(codes, scales):
-        acc = acc + c.view(settings.format.torch_dtype).float() * decode_scale(s, settings)[:, None]
+        acc = acc + code_values(c, settings.format) * decode_scale(s, settings)[:, None]
     if settings.transform == "none":
         return acc
     return fwht(acc) * _f32(inv_sqrt_group(settings.group_size), acc)

@@ -43,11 +43,11 @@ def _check_output_dtype(dtype: torch.dtype) -> None:
 
 
 class TacoCodec:
-    """Compress float tensors to one FP8 wire message and back.
+    """Compress float tensors to one FP8 or 4-bit wire message and back.
 
     Args:
         group_size: G in {32, 64, 128, 256}: elements sharing one scale and one Hadamard.
-        fmt: "e4m3" (max 448, default) or "e5m2" (max 57344).
+        fmt: "e4m3" (max 448, default) or "e5m2" (max 57344); 4-bit: "e2m1" (FP4, max 6) or "int4" (-7..7).
         transform: "ash" (adaptive scale + Hadamard) or "none" (per-group FP8 only).
         scales: "fp32" (one folded scale per group, default), "dual" (the paper's
             s_q and s_a, 8 bytes per group) or "e8m0" (one power-of-two byte).
@@ -139,7 +139,7 @@ class TacoCodec:
     def _split(self, buf: torch.Tensor, numel: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """(codes [groups, G], scales [groups, k]) views of one message."""
         groups, codes_at, scales_at = self.settings.layout(numel)
-        codes = buf[codes_at:scales_at].view(groups, self.group_size)
+        codes = buf[codes_at:scales_at].view(groups, self.settings.code_bytes)
         scale_dtype = torch.uint8 if self.settings.scales == "e8m0" else torch.float32
         per_group = self.settings.scale_bytes // torch.empty((), dtype=scale_dtype).element_size()
         return codes, buf[scales_at:].view(scale_dtype).view(groups, per_group)

@@ -26,7 +26,9 @@ __all__ = [
     "taco_config_from_args",
 ]
 
-MODES = ("none", "fp8", "fp8-ash")
+# mode = element family, and "-ash" for the Adaptive Scale-Hadamard transform before quantizing
+MODES = ("none", "fp8", "fp8-ash", "fp4", "fp4-ash", "int4", "int4-ash")
+_FOUR_BIT_FORMATS = {"fp4": "e2m1", "int4": "int4"}  # the element format of the 4-bit families
 LINEARS = ("qkv", "proj", "fc1", "fc2")
 DIRECTIONS = ("fwd", "bwd", "both")
 # the codec's own vocabulary (one definition): backends, scale storage, FP8 formats, group sizes
@@ -43,7 +45,7 @@ class LinearSettings:
     linears: FrozenSet[str] = frozenset(LINEARS)
     direction: str = "both"
     group_size: int = 128
-    fmt: str = "e4m3"
+    fmt: str = "e4m3"  # the FP8 format of the fp8 modes (--taco-fp8-format)
     scales: str = "fp32"
 
     @property
@@ -55,7 +57,12 @@ class LinearSettings:
 
     @property
     def transform(self) -> str:
-        return "ash" if self.mode == "fp8-ash" else "none"
+        return "ash" if self.mode.endswith("-ash") else "none"
+
+    @property
+    def element_format(self) -> str:
+        """What an element travels as: the FP8 format of the fp8 modes, E2M1 for fp4, INT4 for int4."""
+        return _FOUR_BIT_FORMATS.get(self.mode.split("-")[0], self.fmt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +179,8 @@ def add_taco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--taco-mode",
         default="none",
-        help="none | fp8 (per-group FP8) | fp8-ash (Adaptive Scale-Hadamard + FP8). Default: none",
+        help="none | fp8 (per-group FP8) | fp8-ash (Adaptive Scale-Hadamard + FP8) | fp4, fp4-ash (FP4 E2M1, "
+        "4 bits per value) | int4, int4-ash (INT4 -7..7). Default: none",
     )
     group.add_argument("--taco-layers", default="all", help="layers to compress: 'all' or ranges like '1-4,9-12'")
     group.add_argument(
@@ -247,8 +255,11 @@ def taco_config_from_args(args: argparse.Namespace) -> TacoConfig:
         fmt=_choice(args.taco_fp8_format, FORMATS, "--taco-fp8-format"),
         scales=_choice(args.taco_scales, SCALES, "--taco-scales"),
     )
-    if default.scales == "dual" and default.mode == "fp8":
-        raise TacoConfigError("--taco-scales dual stores the adaptive scale of --taco-mode fp8-ash; use fp32 or e8m0")
+    if default.scales == "dual" and default.enabled and default.transform != "ash":
+        raise TacoConfigError(
+            f"--taco-scales dual stores the adaptive scale of the -ash modes, not --taco-mode {default.mode}; "
+            "use fp32 or e8m0"
+        )
     overrides: List = [_parse_override(text, default) for text in args.taco_override]
     min_bytes = (
         None if str(args.taco_min_bytes).strip() == "auto" else parse_bytes(args.taco_min_bytes, "--taco-min-bytes")

@@ -34,6 +34,7 @@ from megatron_taco.codec.format import NAN_CODE, CodecSettings, header_words
 __all__ = ["LAUNCH_CONFIG", "compress_rows", "decompress_rows"]
 
 _SCALE_MODE_IDS = {"fp32": 0, "dual": 1, "e8m0": 2}
+_CODE_KINDS = {"e4m3": 0, "e5m2": 1, "e2m1": 2, "int4": 3}
 # GPU launch shape: elements per program (BLOCK_G = tile // G) and warps, per kernel.
 # Chosen from the sweep in benchmarks/kernels.py (see benchmarks/results/kernels.md).
 LAUNCH_CONFIG = {"compress": (2048, 2), "decompress_sum": (1024, 2)}
@@ -88,6 +89,30 @@ def _round_to_grid(x, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB
 
 
 @triton.jit
+def _e2m1_codes(r):
+    """4-bit E2M1 codes (s|ee|m) of values already on the E2M1 grid (|r| <= 6): ``reference._four_bit_codes``."""
+    bits = r.to(tl.uint32, bitcast=True)
+    sign = ((bits >> 31) & 1).to(tl.int32)
+    exponent = ((bits >> 23) & 0xFF).to(tl.int32) - 127
+    mantissa = ((bits >> 22) & 1).to(tl.int32)
+    magnitude = tl.abs(r)
+    code = tl.where(magnitude >= 1.0, ((exponent + 1) << 1) | mantissa, tl.where(magnitude == 0.5, 1, 0))
+    return code | (sign << 3)
+
+
+@triton.jit
+def _four_bit_values(codes, INTEGER: tl.constexpr):
+    """fp32 values of 4-bit codes (int32 0..15): INT4 two's complement, or E2M1 (``reference.code_values``)."""
+    if INTEGER:
+        return ((codes ^ 8) - 8).to(tl.float32)
+    exponent = (codes >> 1) & 3
+    half_steps = (codes & 1).to(tl.float32)
+    power = (tl.maximum(exponent - 1 + 127, 1) << 23).to(tl.float32, bitcast=True)  # 2^(e - 1), exact
+    magnitude = tl.where(exponent == 0, half_steps * 0.5, power * (1.0 + 0.5 * half_steps))
+    return tl.where((codes & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
 def _compress_kernel(
     x_ptr,
     out_ptr,
@@ -106,8 +131,8 @@ def _compress_kernel(
     BLOCK_G: tl.constexpr,
     ASH: tl.constexpr,
     SCALE_MODE: tl.constexpr,
-    IS_E4M3: tl.constexpr,
-    FP8_MAX: tl.constexpr,
+    CODE_KIND: tl.constexpr,  # 0: FP8 E4M3, 1: FP8 E5M2, 2: FP4 E2M1, 3: INT4
+    FP8_MAX: tl.constexpr,  # the element format's largest value M (448, 57344, 6, 7)
     MANTISSA_BITS: tl.constexpr,
     MIN_NORMAL: tl.constexpr,
     SUBNORMAL_SHIFTER: tl.constexpr,
@@ -166,13 +191,23 @@ def _compress_kernel(
         q = y * tl.where(amax > 0, tl.math.div_rn(fp8_max, amax), 1.0)[:, None]
 
     q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
-    q = _round_to_grid(q, MANTISSA_BITS, MIN_NORMAL, SUBNORMAL_SHIFTER)
-    if IS_E4M3:
-        codes = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    if CODE_KIND >= 2:  # 4 bits, two per byte; a non-finite group's NaN scale decodes it to NaN
+        if CODE_KIND == 3:
+            nibbles = ((q + 12582912.0) - 12582912.0).to(tl.int32) & 0xF  # integers, ties to even
+        else:
+            nibbles = _e2m1_codes(_round_to_grid(q, MANTISSA_BITS, MIN_NORMAL, SUBNORMAL_SHIFTER))
+        nibbles = tl.where(nonfinite[:, None], 0, nibbles)
+        low, high = tl.split(tl.reshape(nibbles, (BLOCK_G, G // 2, 2)))  # elements 2i, 2i + 1
+        packed_offsets = groups.to(tl.int64)[:, None] * (G // 2) + tl.arange(0, G // 2)[None, :]
+        tl.store(out_ptr + 16 + packed_offsets, (low | (high << 4)).to(tl.uint8), mask=group_ok[:, None])
     else:
-        codes = q.to(tl.float8e5).to(tl.uint8, bitcast=True)
-    codes = tl.where(nonfinite[:, None], NAN_BYTE, codes)
-    tl.store(out_ptr + 16 + offsets, codes, mask=group_ok[:, None])
+        q = _round_to_grid(q, MANTISSA_BITS, MIN_NORMAL, SUBNORMAL_SHIFTER)
+        if CODE_KIND == 0:
+            codes = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            codes = q.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        codes = tl.where(nonfinite[:, None], NAN_BYTE, codes)
+        tl.store(out_ptr + 16 + offsets, codes, mask=group_ok[:, None])
 
     if SCALE_MODE == 2:
         stored = tl.where(nonfinite, 255, exponent + 127).to(tl.uint8)
@@ -201,7 +236,7 @@ def _decompress_sum_kernel(
     BLOCK_G: tl.constexpr,
     ASH: tl.constexpr,
     SCALE_MODE: tl.constexpr,
-    IS_E4M3: tl.constexpr,
+    CODE_KIND: tl.constexpr,  # 0: FP8 E4M3, 1: FP8 E5M2, 2: FP4 E2M1, 3: INT4
     INV_SQRT_G: tl.constexpr,
     OUT_MANTISSA_BITS: tl.constexpr,
     OUT_MIN_NORMAL: tl.constexpr,
@@ -223,11 +258,17 @@ def _decompress_sum_kernel(
     acc = tl.zeros((BLOCK_G, G), tl.float32)
     buf = bufs_ptr
     for _ in range(n_bufs):
-        codes = tl.load(buf + 16 + offsets, mask=group_ok[:, None], other=0)
-        if IS_E4M3:
-            y = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if CODE_KIND >= 2:
+            packed_offsets = groups.to(tl.int64)[:, None] * (G // 2) + tl.arange(0, G // 2)[None, :]
+            packed = tl.load(buf + 16 + packed_offsets, mask=group_ok[:, None], other=0).to(tl.int32)
+            nibbles = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_G, G))  # elements 2i, 2i + 1
+            y = _four_bit_values(nibbles, CODE_KIND == 3)
         else:
-            y = codes.to(tl.float8e5, bitcast=True).to(tl.float32)
+            codes = tl.load(buf + 16 + offsets, mask=group_ok[:, None], other=0)
+            if CODE_KIND == 0:
+                y = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                y = codes.to(tl.float8e5, bitcast=True).to(tl.float32)
         if SCALE_MODE == 2:
             exponent = tl.load(buf + scales_offset + groups, mask=group_ok, other=127).to(tl.int32)
             scale = (tl.minimum(tl.maximum(exponent, 1), 254) << 23).to(tl.float32, bitcast=True)
@@ -264,10 +305,9 @@ _OUTPUT_GRIDS = {torch.float32: (23, -126), torch.bfloat16: (7, -126), torch.flo
 
 
 @functools.lru_cache(maxsize=None)
-def _fp8_constants(settings: CodecSettings) -> dict:
+def _format_constants(settings: CodecSettings) -> dict:
     fmt = settings.format
     return dict(
-        IS_E4M3=fmt.name == "e4m3",
         FP8_MAX=fmt.max_value,
         **_grid_constants(fmt.mantissa_bits, fmt.min_normal_exp),
     )
@@ -282,6 +322,7 @@ def _common(settings: CodecSettings, kernel: str, launch: Tuple[int, int]) -> di
         BLOCK_G=max(1, launch[0] // g),
         ASH=settings.transform == "ash",
         SCALE_MODE=_SCALE_MODE_IDS[settings.scales],
+        CODE_KIND=_CODE_KINDS[settings.fmt],
         INV_SQRT_G=reference.inv_sqrt_group(g),
     )
 
@@ -308,7 +349,7 @@ def compress_rows(x: torch.Tensor, out: torch.Tensor, settings: CodecSettings) -
         settings.eps,
         NAN_BYTE=NAN_CODE,
         **common,
-        **_fp8_constants(settings),
+        **_format_constants(settings),
         **_launch_options(x, "compress"),
     )
 
@@ -335,7 +376,6 @@ def decompress_rows(bufs: torch.Tensor, out: torch.Tensor, settings: CodecSettin
         numel,
         n_groups,
         scales_offset,
-        IS_E4M3=settings.format.name == "e4m3",
         **common,
         **_launch_options(bufs, "decompress_sum"),
         **_grid_constants(*_OUTPUT_GRIDS[out.dtype], prefix="OUT_"),

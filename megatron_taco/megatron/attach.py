@@ -85,13 +85,13 @@ def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> 
     codecs: Dict[tuple, TacoCodec] = {}
 
     def linear_compression(settings: LinearSettings, layer_number: int, name: str) -> Optional[LinearCompression]:
-        key = (settings.group_size, settings.fmt, settings.transform, settings.scales)
+        key = (settings.group_size, settings.element_format, settings.transform, settings.scales)
         codec = (
             codecs.setdefault(
                 key,
                 TacoCodec(
                     group_size=settings.group_size,
-                    fmt=settings.fmt,
+                    fmt=settings.element_format,
                     transform=settings.transform,
                     scales=settings.scales,
                     backend=config.backend,
