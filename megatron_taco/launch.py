@@ -166,7 +166,7 @@ def _patch_model_build() -> None:
                 attached = attach_taco([self], cfg)
                 if first_of_stage:
                     print(
-                        f"megatron_taco: TACO {cfg.default.mode} ({getattr(self.config, 'transformer_impl', 'local')} "
+                        f"megatron_taco: TACO {cfg.default.describe_modes()} ({getattr(self.config, 'transformer_impl', 'local')} "
                         f"linears, {stage}): {attached.describe()}",
                         flush=True,
                     )

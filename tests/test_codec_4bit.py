@@ -191,4 +191,20 @@ def test_the_four_bit_modes_select_their_formats(mode, fmt, transform):
         ["--taco-mode", mode, "--taco-group-size", "32", "--taco-scales", "e8m0"]
     )
     settings = taco_config_from_args(args).default
-    assert (settings.element_format, settings.transform, settings.scales) == (fmt, transform, "e8m0")
+    for direction in ("fwd", "bwd"):
+        assert (settings.element_format_for(direction), settings.transform_for(direction)) == (fmt, transform)
+    assert settings.scales == "e8m0"
+
+
+def test_forward_four_bit_with_fp8_gradients():
+    """--taco-bwd-mode: the gradient traffic gets its own codec; the start-up text names both."""
+    import argparse
+
+    from megatron_taco.config.taco import add_taco_args, taco_config_from_args
+
+    flags = ["--taco-mode", "fp4-ash", "--taco-bwd-mode", "fp8-ash", "--taco-override", "3-4:bwd_mode=none"]
+    config = taco_config_from_args(add_taco_args(argparse.ArgumentParser()).parse_args(flags))
+    settings = config.default
+    assert (settings.element_format_for("fwd"), settings.element_format_for("bwd")) == ("e2m1", "e4m3")
+    assert settings.describe_modes() == "fp4-ash (backward fp8-ash)"
+    assert config.for_layer(3).compresses("fc1", "fwd") and not config.for_layer(3).compresses("fc1", "bwd")

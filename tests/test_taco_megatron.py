@@ -302,8 +302,32 @@ ASH_E4M3 = CodecSettings(group_size=128, fmt="e4m3", transform="ash", scales="fp
                 ),
             },
         ),
+        # 4-bit forward, FP8 gradients on layers 1-3 (not 4, gradients included); layer 3 INT4 forward only
+        (
+            [
+                "--taco-mode",
+                "fp4-ash",
+                "--taco-bwd-mode",
+                "fp8-ash",
+                "--taco-group-size",
+                "32",
+                "--taco-scales",
+                "e8m0",
+                "--taco-layers",
+                "1-3",
+                "--taco-override",
+                "3:mode=int4,bwd_mode=none",
+            ],
+            {
+                **_expected(
+                    [1, 2], LINEARS, CodecSettings(32, "e2m1", "ash", "e8m0"), CodecSettings(32, "e4m3", "ash", "e8m0")
+                ),
+                **_expected([3], LINEARS, CodecSettings(32, "int4", "none", "e8m0"), None),
+                **_expected([4], LINEARS, None, None),
+            },
+        ),
     ],
-    ids=["fp8-ash-defaults", "every-flag"],
+    ids=["fp8-ash-defaults", "every-flag", "four-bit-forward-fp8-backward"],
 )
 def test_every_linear_gets_exactly_the_codec_the_flags_ask_for(argv, expected):
     """From the trainer's flags to each linear's codec (transform, FP8 format, group size, scales,

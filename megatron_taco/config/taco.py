@@ -47,22 +47,31 @@ class LinearSettings:
     group_size: int = 128
     fmt: str = "e4m3"  # the FP8 format of the fp8 modes (--taco-fp8-format)
     scales: str = "fp32"
+    bwd_mode: Optional[str] = None  # the gradient traffic's mode (None: the same as ``mode``)
+
+    def mode_for(self, direction: str) -> str:
+        """The mode of the forward ("fwd") or the gradient ("bwd") traffic."""
+        return self.bwd_mode if direction == "bwd" and self.bwd_mode is not None else self.mode
 
     @property
     def enabled(self) -> bool:
-        return self.mode != "none"
+        return any(self.mode_for(d) != "none" for d in ("fwd", "bwd"))
 
     def compresses(self, linear: str, direction: str) -> bool:
-        return self.enabled and linear in self.linears and self.direction in (direction, "both")
+        return self.mode_for(direction) != "none" and linear in self.linears and self.direction in (direction, "both")
 
-    @property
-    def transform(self) -> str:
-        return "ash" if self.mode.endswith("-ash") else "none"
+    def transform_for(self, direction: str) -> str:
+        return "ash" if self.mode_for(direction).endswith("-ash") else "none"
 
-    @property
-    def element_format(self) -> str:
+    def element_format_for(self, direction: str) -> str:
         """What an element travels as: the FP8 format of the fp8 modes, E2M1 for fp4, INT4 for int4."""
-        return _FOUR_BIT_FORMATS.get(self.mode.split("-")[0], self.fmt)
+        mode = self.mode_for(direction)
+        return _FOUR_BIT_FORMATS.get(mode.split("-")[0], self.fmt)
+
+    def describe_modes(self) -> str:
+        """'fp8-ash', or 'fp4-ash (backward fp8-ash)' when the gradient traffic has its own mode."""
+        backward = self.mode_for("bwd")
+        return self.mode if backward == self.mode else f"{self.mode} (backward {backward})"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +98,7 @@ class TacoConfig:
                 return settings
         if self.layers is None or _in_ranges(layer_number, self.layers):
             return self.default
-        return dataclasses.replace(self.default, mode="none")
+        return dataclasses.replace(self.default, mode="none", bwd_mode=None)
 
     def check_layers(self, num_layers: int) -> None:
         """Fail when a layer range names layers the model does not have."""
@@ -147,6 +156,7 @@ def _parse_linears(text: str, flag: str) -> FrozenSet[str]:
 
 _OVERRIDE_KEYS = {
     "mode": lambda v, f: _choice(v, MODES, f),
+    "bwd_mode": lambda v, f: _choice(v, MODES, f),
     "linears": lambda v, f: _parse_linears(v.replace("+", ","), f),
     "direction": lambda v, f: _choice(v, DIRECTIONS, f),
     "group_size": lambda v, f: _choice(int(v) if v.isdigit() else v, GROUP_SIZES, f),
@@ -182,6 +192,12 @@ def add_taco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="none | fp8 (per-group FP8) | fp8-ash (Adaptive Scale-Hadamard + FP8) | fp4, fp4-ash (FP4 E2M1, "
         "4 bits per value) | int4, int4-ash (INT4 -7..7). Default: none",
     )
+    group.add_argument(
+        "--taco-bwd-mode",
+        default=None,
+        help="the gradient traffic's mode, one of the --taco-mode values (default: the same as --taco-mode); "
+        "e.g. --taco-mode fp4-ash --taco-bwd-mode fp8-ash",
+    )
     group.add_argument("--taco-layers", default="all", help="layers to compress: 'all' or ranges like '1-4,9-12'")
     group.add_argument(
         "--taco-linears",
@@ -197,7 +213,7 @@ def add_taco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="per-range settings, repeatable: 'RANGES:key=value,...', keys mode, linears, direction, "
-        "group_size, fmt, scales; e.g. '1-2:mode=none'",
+        "group_size, fmt, scales, bwd_mode; e.g. '1-2:mode=none'",
     )
     group.add_argument(
         "--taco-min-bytes",
@@ -247,6 +263,7 @@ def taco_config_from_args(args: argparse.Namespace) -> TacoConfig:
     """Validate the parsed --taco-* flags into a :class:`TacoConfig`."""
     default = LinearSettings(
         mode=_choice(args.taco_mode, MODES, "--taco-mode"),
+        bwd_mode=None if args.taco_bwd_mode is None else _choice(args.taco_bwd_mode, MODES, "--taco-bwd-mode"),
         linears=_parse_linears(args.taco_linears, "--taco-linears"),
         direction=_choice(args.taco_direction, DIRECTIONS, "--taco-direction"),
         group_size=_choice(
@@ -255,11 +272,12 @@ def taco_config_from_args(args: argparse.Namespace) -> TacoConfig:
         fmt=_choice(args.taco_fp8_format, FORMATS, "--taco-fp8-format"),
         scales=_choice(args.taco_scales, SCALES, "--taco-scales"),
     )
-    if default.scales == "dual" and default.enabled and default.transform != "ash":
-        raise TacoConfigError(
-            f"--taco-scales dual stores the adaptive scale of the -ash modes, not --taco-mode {default.mode}; "
-            "use fp32 or e8m0"
-        )
+    for direction, flag in (("fwd", "--taco-mode"), ("bwd", "--taco-bwd-mode")):
+        mode = default.mode_for(direction)
+        if default.scales == "dual" and mode != "none" and default.transform_for(direction) != "ash":
+            raise TacoConfigError(
+                f"--taco-scales dual stores the adaptive scale of the -ash modes, not {flag} {mode}; use fp32 or e8m0"
+            )
     overrides: List = [_parse_override(text, default) for text in args.taco_override]
     min_bytes = (
         None if str(args.taco_min_bytes).strip() == "auto" else parse_bytes(args.taco_min_bytes, "--taco-min-bytes")

@@ -85,23 +85,22 @@ def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> 
     codecs: Dict[tuple, TacoCodec] = {}
 
     def linear_compression(settings: LinearSettings, layer_number: int, name: str) -> Optional[LinearCompression]:
-        key = (settings.group_size, settings.element_format, settings.transform, settings.scales)
-        codec = (
-            codecs.setdefault(
-                key,
-                TacoCodec(
+        def codec(direction: str) -> Optional[TacoCodec]:
+            if not settings.compresses(name, direction):
+                return None
+            fmt, transform = settings.element_format_for(direction), settings.transform_for(direction)
+            key = (settings.group_size, fmt, transform, settings.scales)
+            if key not in codecs:
+                codecs[key] = TacoCodec(
                     group_size=settings.group_size,
-                    fmt=settings.element_format,
-                    transform=settings.transform,
+                    fmt=fmt,
+                    transform=transform,
                     scales=settings.scales,
                     backend=config.backend,
-                ),
-            )
-            if settings.enabled
-            else None
-        )
-        fwd = codec if settings.compresses(name, "fwd") else None
-        bwd = codec if settings.compresses(name, "bwd") else None
+                )
+            return codecs[key]
+
+        fwd, bwd = codec("fwd"), codec("bwd")
         if fwd is None and bwd is None:
             return None
         return LinearCompression(f"layer {layer_number} {name}", fwd, bwd, config.min_bytes, config.chunk_bytes)

@@ -540,7 +540,7 @@ def _train(args: argparse.Namespace) -> List[float]:
     if args.taco.enabled:
         layers = {name: format_ranges(numbers) for name, numbers in trainer.taco_layers.items()}
         _log(
-            f"TACO {args.taco.default.mode} on this rank's layers {layers}; "
+            f"TACO {args.taco.default.describe_modes()} on this rank's layers {layers}; "
             f"min-bytes {'auto' if args.taco.min_bytes is None else args.taco.min_bytes}"
         )
     if args.mapl is not None:
