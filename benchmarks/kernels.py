@@ -19,7 +19,7 @@ import triton
 from triton.testing import do_bench
 
 from megatron_taco.codec import TacoCodec, reference
-from megatron_taco.kernels import taco_kernels
+from megatron_taco.codec import kernels as taco_kernels
 
 from .provenance import project_commit
 

@@ -45,3 +45,34 @@ def test_every_module_declares_its_public_api():
         broken += [f"{info.name}.{name}" for name in getattr(module, "__all__", []) if not hasattr(module, name)]
     assert not missing, f"no __all__ in {missing}"
     assert not broken, f"__all__ names what does not exist: {broken}"
+
+
+# config -> Megatron/TE hooks -> collectives -> codecs (with their kernels): a package imports only lower ones
+LAYERS = {"codec": 0, "comm": 1, "config": 1, "megatron": 2, "mapl": 2, "training": 3, "launch": 3, "testing": 4}
+
+
+def test_the_packages_import_only_layers_below_them():
+    import ast
+    import glob
+
+    back_edges = []
+    for path in glob.glob(os.path.join(ROOT, "megatron_taco", "**", "*.py"), recursive=True):
+        source = os.path.relpath(path, os.path.join(ROOT, "megatron_taco")).split(os.sep)[0].removesuffix(".py")
+        if source not in LAYERS:
+            continue
+        for node in ast.walk(ast.parse(open(path).read())):
+            names = [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            names += [alias.name for alias in node.names] if isinstance(node, ast.Import) else []
+            for name in names:
+                parts = name.split(".")
+                if parts[0] != "megatron_taco" or len(parts) < 2 or parts[1] == source:
+                    continue
+                if LAYERS.get(parts[1], -1) >= LAYERS[source]:
+                    back_edges.append(f"{os.path.relpath(path, ROOT)} imports {name}")
+    assert not back_edges, back_edges
+
+
+def test_tacos_codec_is_a_wire_codec():
+    from megatron_taco.codec import TacoCodec, WireCodec
+
+    assert isinstance(TacoCodec(), WireCodec)

@@ -42,7 +42,7 @@ def _check_output_dtype(dtype: torch.dtype) -> None:
         raise TypeError(f"TacoCodec decodes to float32, bfloat16 or float16, got {dtype}")
 
 
-class TacoCodec:
+class TacoCodec:  # a WireCodec (megatron_taco.codec.interface)
     """Compress float tensors to one FP8 or 4-bit wire message and back.
 
     Args:
@@ -70,6 +70,13 @@ class TacoCodec:
 
     def __repr__(self) -> str:
         return f"TacoCodec({self.settings.describe()}, backend={self.backend})"
+
+    def settings_bytes(self) -> bytes:
+        """Header bytes 4-7: what every decoder must agree on."""
+        return self.settings.settings_bytes()
+
+    def describe(self) -> str:
+        return self.settings.describe()
 
     @property
     def group_size(self) -> int:
@@ -121,9 +128,9 @@ class TacoCodec:
         elif out.dtype != torch.uint8 or out.shape != (rows.shape[0], nbytes) or out.stride(1) != 1:
             raise ValueError(f"out must be a uint8 tensor of shape {(rows.shape[0], nbytes)} with unit column stride")
         if self._use_triton(rows):
-            from megatron_taco.kernels import taco_kernels
+            from megatron_taco.codec import kernels
 
-            taco_kernels.compress_rows(rows, out, self.settings)
+            kernels.compress_rows(rows, out, self.settings)
             return out
         groups, codes_at, scales_at = self.settings.layout(numel)
         header = self._header(numel, rows.device)
@@ -192,9 +199,9 @@ class TacoCodec:
             for message in bufs:
                 check_header(self.settings, message, numel)
         if self._use_triton(bufs):
-            from megatron_taco.kernels import taco_kernels
+            from megatron_taco.codec import kernels
 
-            taco_kernels.decompress_rows(bufs, out, self.settings)
+            kernels.decompress_rows(bufs, out, self.settings)
             return out
         per_row = bufs.shape[0] // rows
         for r in range(rows):

@@ -29,7 +29,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_taco.codec import TacoCodec
+from megatron_taco.codec import WireCodec
 from megatron_taco.comm.handshake import ensure_same_settings
 
 __all__ = ["CommOptions", "DEFAULT_OPTIONS", "Handle", "compresses", "all_gather", "reduce_scatter", "all_reduce"]
@@ -72,12 +72,12 @@ def _world(group: Optional[dist.ProcessGroup]) -> int:
     return dist.get_world_size(group)
 
 
-def compresses(x: torch.Tensor, codec: Optional[TacoCodec], options: CommOptions) -> bool:
+def compresses(x: torch.Tensor, codec: Optional[WireCodec], options: CommOptions) -> bool:
     """Whether a collective of input ``x`` goes compressed (codec given and x above the threshold)."""
     return codec is not None and x.numel() > 0 and x.numel() * x.element_size() >= options.min_bytes
 
 
-def _compresses(x: torch.Tensor, group, codec: Optional[TacoCodec], options: CommOptions) -> bool:
+def _compresses(x: torch.Tensor, group, codec: Optional[WireCodec], options: CommOptions) -> bool:
     ensure_same_settings(group, codec, options.min_bytes, x.device)
     return compresses(x, codec, options)
 
@@ -100,7 +100,7 @@ def _check_rank_input(x: torch.Tensor, name: str) -> None:
 def all_gather(
     x: torch.Tensor,
     group: Optional[dist.ProcessGroup],
-    codec: Optional[TacoCodec],
+    codec: Optional[WireCodec],
     options: CommOptions = DEFAULT_OPTIONS,
     async_op: bool = False,
 ):
@@ -125,7 +125,7 @@ def all_gather(
 def reduce_scatter(
     x: torch.Tensor,
     group: Optional[dist.ProcessGroup],
-    codec: Optional[TacoCodec],
+    codec: Optional[WireCodec],
     options: CommOptions = DEFAULT_OPTIONS,
     async_op: bool = False,
 ):
@@ -155,7 +155,7 @@ def reduce_scatter(
 def all_reduce(
     x: torch.Tensor,
     group: Optional[dist.ProcessGroup],
-    codec: Optional[TacoCodec],
+    codec: Optional[WireCodec],
     options: CommOptions = DEFAULT_OPTIONS,
     async_op: bool = False,
 ):
@@ -187,7 +187,7 @@ def _pipelined(
     out: torch.Tensor,
     out_rows: torch.Tensor,
     send: Callable[[int, int], Tuple[dist.Work, torch.Tensor]],
-    codec: TacoCodec,
+    codec: WireCodec,
     options: CommOptions,
     async_op: bool,
 ):

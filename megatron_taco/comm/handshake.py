@@ -17,8 +17,8 @@ from typing import Optional, Set, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_taco.codec import TacoCodec
-from megatron_taco.codec.format import CodecSettings, describe_settings_bytes
+from megatron_taco.codec import WireCodec
+from megatron_taco.codec.format import describe_settings_bytes
 
 __all__ = ["SettingsMismatchError", "ensure_same_settings"]
 
@@ -30,9 +30,9 @@ class SettingsMismatchError(RuntimeError):
 
 
 @functools.lru_cache(maxsize=None)
-def _fingerprint(settings: Optional[CodecSettings], min_bytes: int) -> bytes:
-    raw = settings.settings_bytes() if settings is not None else b"\0\0\0\0"
-    return b"TACO" + raw + struct.pack("<q", min_bytes)
+def _fingerprint(settings: Optional[bytes], min_bytes: int) -> bytes:
+    """16 bytes: b"TACO", the codec's settings bytes (zeros: uncompressed), min_bytes."""
+    return b"TACO" + (settings or b"\0\0\0\0") + struct.pack("<q", min_bytes)
 
 
 def _describe(fingerprint: bytes) -> str:
@@ -42,11 +42,11 @@ def _describe(fingerprint: bytes) -> str:
 
 
 def ensure_same_settings(
-    group: Optional[dist.ProcessGroup], codec: Optional[TacoCodec], min_bytes: int, device: torch.device
+    group: Optional[dist.ProcessGroup], codec: Optional[WireCodec], min_bytes: int, device: torch.device
 ) -> None:
     """Raise :class:`SettingsMismatchError` on every rank if the group's ranks disagree."""
     group = group if group is not None else dist.group.WORLD
-    mine = _fingerprint(codec.settings if codec is not None else None, min_bytes)
+    mine = _fingerprint(codec.settings_bytes() if codec is not None else None, min_bytes)
     if (group, mine) in _AGREED:
         return
     ranks = dist.get_process_group_ranks(group)

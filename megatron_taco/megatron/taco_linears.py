@@ -31,7 +31,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from megatron_taco import comm
-from megatron_taco.codec import TacoCodec
+from megatron_taco.codec import WireCodec
 from megatron_taco.comm.policy import auto_options
 from megatron_taco.megatron.telemetry import TELEMETRY
 
@@ -45,8 +45,8 @@ class LinearCompression:
     """How one linear's traffic is compressed. ``min_bytes=None``: measured per group on first use."""
 
     name: str
-    fwd_codec: Optional[TacoCodec]
-    bwd_codec: Optional[TacoCodec]
+    fwd_codec: Optional[WireCodec]
+    bwd_codec: Optional[WireCodec]
     min_bytes: Optional[int]
     chunk_bytes: int
 
@@ -62,7 +62,7 @@ class LinearCompression:
             _AUTO_OPTIONS[key] = auto_options(group, device, chunk_bytes=self.chunk_bytes, report=True)[0]
         return _AUTO_OPTIONS[key]
 
-    def codec(self, direction: str) -> Optional[TacoCodec]:
+    def codec(self, direction: str) -> Optional[WireCodec]:
         return self.fwd_codec if direction == "fwd" else self.bwd_codec
 
     def run(self, collective: Callable, x: torch.Tensor, group: dist.ProcessGroup, direction: str) -> torch.Tensor:

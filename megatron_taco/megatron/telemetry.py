@@ -19,7 +19,7 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from megatron_taco.codec import TacoCodec
+from megatron_taco.codec import WireCodec
 
 __all__ = ["TrafficRecord", "TacoTelemetry", "TELEMETRY"]
 
@@ -61,7 +61,7 @@ class TacoTelemetry:
         self.error_sample_interval = 10
         self._earlier = TrafficRecord()  # the intervals before the last reset(), since start_run()
 
-    def record(self, key: Key, payload: torch.Tensor, codec: Optional[TacoCodec], compressed: bool) -> None:
+    def record(self, key: Key, payload: torch.Tensor, codec: Optional[WireCodec], compressed: bool) -> None:
         rec = self.records[key]
         rec.calls += 1
         nbytes = payload.numel() * payload.element_size()
