@@ -88,9 +88,9 @@ PIPELINE_MICRO_BATCH = 4  # 4 x 2048 tokens x 2048 x bf16 = 32 MiB per boundary 
 TACO_KERNELS = ("_compress_kernel", "_decompress_sum_kernel")  # the Triton kernels of the TACO codec
 
 
-def _forced_taco(mode: str, direction: str = "both") -> TacoConfig:
+def _forced_taco(mode: str, direction: str = "both", bwd_mode: Optional[str] = None) -> TacoConfig:
     """TACO on every linear and every message (min_bytes 0: no link policy)."""
-    return TacoConfig(default=LinearSettings(mode=mode, direction=direction), min_bytes=0)
+    return TacoConfig(default=LinearSettings(mode=mode, direction=direction, bwd_mode=bwd_mode), min_bytes=0)
 
 
 TACO_AUTO = TacoConfig(default=LinearSettings(mode="fp8-ash"))  # min_bytes None: the link probe decides
@@ -101,6 +101,9 @@ LOSS_VARIANTS = {  # name: (TACO, MAPL); TACO runs at TP=2 + SP, MAPL at PP=2
     "TACO fp8-ash, forward only": (_forced_taco("fp8-ash", "fwd"), None),
     "TACO fp8-ash, backward only": (_forced_taco("fp8-ash", "bwd"), None),
     "TACO fp8 (no Hadamard)": (_forced_taco("fp8"), None),
+    "TACO fp4-ash": (_forced_taco("fp4-ash"), None),
+    "TACO int4-ash": (_forced_taco("int4-ash"), None),
+    "TACO fp4-ash forward, fp8-ash backward": (_forced_taco("fp4-ash", bwd_mode="fp8-ash"), None),
     "MAPL 8x (PP=2)": (None, MaplConfig(ratio=8)),
     "MAPL 8x + VQ 2 x 255 (PP=2)": (None, MaplConfig(ratio=8, vq_levels=2, vq_codes=255)),
 }
@@ -201,7 +204,7 @@ def _throughput_worker(steps: int, warmup: int, micro_batches: int, forced: bool
     # the baseline again at the end (A-B-A): the first model trained in a process may run at another speed
     variants = (
         [("baseline", None), ("TACO auto", TACO_AUTO)]
-        + ([("TACO forced", TACO_FORCED)] if forced else [])
+        + ([("TACO forced", TACO_FORCED), ("TACO fp4-ash forced", _forced_taco("fp4-ash"))] if forced else [])
         + [("baseline, again after TACO", None)]
     )
     return [

@@ -191,6 +191,12 @@ ROWS = [
     _row("socket", "gpt", "local", "bf16", "none", release="0.16"),
     _row("socket", "gpt", "local", "bf16", "fp8-ash", release="0.16"),
     _row("socket", "gpt", "local", "bf16", "fp8-ash", release="0.16", path="patch"),
+    # 4-bit wire formats (G=128, fp32 scales: 3.76x on the wire), and 4-bit forward with FP8 gradients
+    _row("socket", "gpt", "local", "bf16", "fp4-ash"),
+    _row("socket", "gpt", "te", "bf16", "fp4-ash", repeats=3),
+    _row("socket", "gpt", "te", "bf16", "int4-ash"),
+    _row("socket", "gpt", "te", "bf16", "fp4-ash-fp8bwd"),
+    _row("socket", "gpt", "te", "fp8", "fp4-ash", repeats=3),
     # PP=2: MAPL at the stage boundary (TP=1), Megatron-LM's own 1F1B schedule
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, repeats=3),
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="1"),  # r = d: the loss must match uncompressed
@@ -216,6 +222,14 @@ SUITES = {
         "socket-gpt-te-bf16-fp8-ash",
     ],
     "mapl-smoke": ["socket-gpt-te-bf16-none-pp2", "socket-gpt-te-bf16-none-pp2-mapl8"],
+    "four-bit": [
+        "socket-gpt-te-bf16-none",
+        "socket-gpt-te-bf16-fp4-ash",
+        "socket-gpt-te-bf16-int4-ash",
+        "socket-gpt-te-bf16-fp4-ash-fp8bwd",
+        "socket-gpt-te-fp8-none",
+        "socket-gpt-te-fp8-fp4-ash",
+    ],
     "all": [row.name for row in ROWS],
 }
 PARALLEL = {
@@ -230,6 +244,9 @@ PARALLEL = {
     ],
     2: ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "4", "--global-batch-size", "16"],
 }
+# TACO settings by row name: a --taco-mode, or a 4-bit forward with FP8 gradients
+TACO = {mode: ["--taco-mode", mode] for mode in ("none", "fp8", "fp8-ash", "fp4-ash", "int4-ash")}
+TACO["fp4-ash-fp8bwd"] = ["--taco-mode", "fp4-ash", "--taco-bwd-mode", "fp8-ash"]
 MAPL = {
     "none": [],
     "1": ["--mapl-ratio", "1"],
@@ -265,8 +282,7 @@ def command(row: Row, checkout: str, port: int) -> List[str]:
         *PRECISIONS[row.precision],
         "--train-iters",
         str(row.iters),
-        "--taco-mode",
-        row.taco,
+        *TACO[row.taco],
         *MAPL[row.mapl],
     ]
     return [
