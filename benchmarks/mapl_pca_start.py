@@ -73,7 +73,7 @@ def _reset_to_pca(trainer: Trainer, moments: dict, ema: dict) -> None:
         dist.broadcast(top, src=sender, group=sync.groups[boundary.boundary])
         with torch.no_grad():
             boundary.projection.copy_(top)
-        sync.optimizer.buffers[index] = None
+        sync.optimizer.buffers[index].zero_()
 
 
 def _worker(pca_steps: int, steps: int, seed: int) -> dict:

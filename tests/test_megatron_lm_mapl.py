@@ -170,6 +170,8 @@ def _megatron_lm_steps(mapl_flags, steps):
         "codecs": sorted(name for name, _ in model.named_children() if name.startswith("mapl_")),
         "u_moved": [float((c.projection - u0).abs().max()) for c, u0 in zip(codecs, u_start)],
         "u": [c.projection.detach().clone() for c in codecs],
+        # what Megatron-LM's checkpoints save of the model: MAPL's state included
+        "saved": {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith("mapl_")},
     }
 
 
@@ -182,6 +184,9 @@ def test_mapl_in_megatron_lm_sends_r_wide_and_keeps_replicas_identical():
     assert receiver["tokens_on_every_micro_batch"] and sender["tokens_on_every_micro_batch"]
     assert min(sender["u_moved"]) > 1e-4, sender["u_moved"]
     assert torch.equal(sender["u"][0], receiver["u"][0])
+    saved = {key.split(".", 1)[1] for key in sender["saved"]}
+    assert {"projection", "projection_momentum", "anchor_embedding", "anchor_basis"} <= saved, saved
+    assert sender["saved"]["mapl_send_0.projection_momentum"].abs().max() > 0
     assert all(torch.isfinite(torch.tensor(receiver["losses"])))
 
 

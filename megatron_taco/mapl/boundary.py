@@ -61,6 +61,8 @@ class BoundaryCodec(torch.nn.Module):
         gen = torch.Generator().manual_seed(seed * 7919 + boundary)
         projection = random_stiefel(hidden_size, rank, gen)
         self.register_buffer("projection", projection.requires_grad_(trainable))
+        if trainable:  # the manifold optimizer's momentum: a buffer, so checkpoints of the model keep it
+            self.register_buffer("projection_momentum", torch.zeros_like(projection, requires_grad=False))
         if anchor_rank > 0:
             self.anchor_embedding = torch.nn.Parameter(torch.randn(vocab_size, anchor_rank, generator=gen) * 0.02)
             self.anchor_basis = torch.nn.Parameter(torch.randn(anchor_rank, hidden_size, generator=gen) * 0.02)

@@ -16,9 +16,8 @@ places in Megatron-LM where each of its steps belongs:
   (r-wide P2P buffers; with VQ the index wire);
 - the log: MAPL's traffic lines every ``--log-interval`` iterations (stdout and TensorBoard).
 
-Checkpoints: the codecs are submodules of the GPTModel (``mapl_send_<g>`` / ``mapl_recv_<g>``), so U, the
-anchors and the codebooks are saved and loaded with the model in every ``--ckpt-format``; the momentum of
-U's optimizer is not (it restarts from zero after ``--load``).
+Checkpoints: the codecs are submodules of the GPTModel (``mapl_send_<g>`` / ``mapl_recv_<g>``), so U, its
+optimizer's momentum, the anchors and the codebooks are saved and loaded with the model in every ``--ckpt-format``.
 """
 
 from __future__ import annotations

@@ -207,7 +207,12 @@ class MaplSync:
         self._check_pairs_agree()
         self.trainable = [b for b in self.boundaries if b.trainable]
         self.optimizer = (
-            StiefelMomentumSGD([b.projection for b in self.trainable], lr=lr, momentum=momentum)
+            StiefelMomentumSGD(
+                [b.projection for b in self.trainable],
+                lr=lr,
+                momentum=momentum,
+                buffers=[b.projection_momentum for b in self.trainable],
+            )
             if self.trainable
             else None
         )

@@ -54,9 +54,15 @@ def orthogonality_error(u: torch.Tensor) -> float:
 
 
 class StiefelMomentumSGD:
-    """Manifold-constrained momentum SGD for a list of Stiefel points (updated in place, no weight decay)."""
+    """Manifold-constrained momentum SGD for a list of Stiefel points (updated in place, no weight decay).
 
-    def __init__(self, points: List[torch.Tensor], lr: float, momentum: float = 0.9) -> None:
+    ``buffers``: the momentum tensors (zeros at the start, updated in place), e.g. buffers of the module that
+    owns the points, so that checkpoints of that module keep them; created here when not given.
+    """
+
+    def __init__(
+        self, points: List[torch.Tensor], lr: float, momentum: float = 0.9, buffers: Optional[List[torch.Tensor]] = None
+    ) -> None:
         if lr <= 0:
             raise ValueError(f"manifold learning rate must be > 0, got {lr}")
         if not 0 <= momentum < 1:
@@ -64,22 +70,22 @@ class StiefelMomentumSGD:
         self.points = points
         self.lr = lr
         self.momentum = momentum
-        self.buffers: List[Optional[torch.Tensor]] = [None] * len(points)
+        self.buffers = buffers if buffers is not None else [torch.zeros_like(p, requires_grad=False) for p in points]
 
     @torch.no_grad()
     def step(self, grads: List[torch.Tensor], lr_scale: float = 1.0) -> None:
         """One update of every point; the step length is ``lr * lr_scale`` (a learning-rate schedule's factor)."""
         lr = self.lr * lr_scale
-        for i, (u, g) in enumerate(zip(self.points, grads)):
+        for u, g, buffer in zip(self.points, grads, self.buffers):
             xi = tangent_project(u, g.to(u.dtype))
-            m = xi if self.buffers[i] is None else self.momentum * self.buffers[i] + xi
-            m = tangent_project(u, m)
-            self.buffers[i] = m
+            m = tangent_project(u, self.momentum * buffer + xi)
+            buffer.copy_(m)
             if lr:  # at lr 0 (a warm-up's first step) U stays exactly put, as Adam leaves weights, not re-retracted
                 u.copy_(retract_qr(u - lr * m))
 
     def state_dict(self) -> dict:
-        return {"lr": self.lr, "momentum": self.momentum, "buffers": self.buffers}
+        """The hyper-parameters (the momentum is in ``buffers``, saved by their owner)."""
+        return {"lr": self.lr, "momentum": self.momentum}
 
     def load_state_dict(self, state: dict) -> None:
-        self.lr, self.momentum, self.buffers = state["lr"], state["momentum"], list(state["buffers"])
+        self.lr, self.momentum = state["lr"], state["momentum"]
