@@ -10,7 +10,7 @@ decoding garbage::
     bytes 0-3   magic b"TACO"
     byte  4     wire-format version
     byte  5     transform (low nibble) | element format (high nibble)
-    byte  6     log2(group size)
+    byte  6     log2(group size) (low nibble) | rounding (high nibble: 0 nearest, 1 stochastic)
     byte  7     scale storage
     bytes 8-15  element count, little-endian uint64
 
@@ -36,6 +36,7 @@ __all__ = [
     "ELEMENT_FORMATS",
     "FP8_FORMATS",
     "TRANSFORMS",
+    "ROUNDINGS",
     "SCALE_MODES",
     "GROUP_SIZES",
     "SUPPORTED_INPUT_DTYPES",
@@ -79,6 +80,9 @@ FP8_FORMATS: Dict[str, ElementFormat] = {k: f for k, f in ELEMENT_FORMATS.items(
 TRANSFORMS = {"ash": 0, "none": 1}
 SCALE_MODES = {"dual": (2, 8), "fp32": (1, 4), "e8m0": (3, 1)}  # name: (wire id, bytes per group)
 GROUP_SIZES = (32, 64, 128, 256)
+# nearest: ties to even; stochastic (4-bit formats): up with probability equal to the distance from the code
+# below, in grid steps, so the expected decode is the input (for gradient traffic)
+ROUNDINGS = {"nearest": 0, "stochastic": 1}
 SUPPORTED_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NAN_CODE = 0x7F  # a NaN bit pattern in both E4M3 (fn) and E5M2 (4-bit codes have none: the scale carries NaN)
 
@@ -93,6 +97,7 @@ class CodecSettings:
     transform: str = "ash"
     scales: str = "fp32"
     eps: float = 1e-6
+    rounding: str = "nearest"
 
     def __post_init__(self) -> None:
         if self.group_size not in GROUP_SIZES:
@@ -105,6 +110,10 @@ class CodecSettings:
             raise ValueError(f"scales must be one of {sorted(SCALE_MODES)}, got {self.scales!r}")
         if self.scales == "dual" and self.transform != "ash":
             raise ValueError("scales='dual' stores the adaptive scale of transform='ash'; use 'fp32' or 'e8m0'")
+        if self.rounding not in ROUNDINGS:
+            raise ValueError(f"rounding must be one of {sorted(ROUNDINGS)}, got {self.rounding!r}")
+        if self.rounding == "stochastic" and self.format.bits != 4:
+            raise ValueError(f"stochastic rounding is built for the 4-bit formats (e2m1, int4), not {self.fmt}")
 
     @property
     def format(self) -> ElementFormat:
@@ -125,13 +134,14 @@ class CodecSettings:
             [
                 WIRE_VERSION,
                 TRANSFORMS[self.transform] | (self.format.code_id << 4),
-                self.group_size.bit_length() - 1,
+                (self.group_size.bit_length() - 1) | (ROUNDINGS[self.rounding] << 4),
                 SCALE_MODES[self.scales][0],
             ]
         )
 
     def describe(self) -> str:
-        return f"group_size={self.group_size} fmt={self.fmt} transform={self.transform} scales={self.scales}"
+        rounding = " rounding=stochastic" if self.rounding == "stochastic" else ""
+        return f"group_size={self.group_size} fmt={self.fmt} transform={self.transform} scales={self.scales}{rounding}"
 
     def num_groups(self, numel: int) -> int:
         return -(-numel // self.group_size)
@@ -147,13 +157,15 @@ class CodecSettings:
 
 
 def describe_settings_bytes(raw: bytes) -> str:
-    version, packed, log2_group, scale_id = raw
+    version, packed, group_byte, scale_id = raw
     if version != WIRE_VERSION:
         return f"wire version {version}"
     transform = {v: k for k, v in TRANSFORMS.items()}.get(packed & 0xF, f"?{packed & 0xF}")
     fmt = {f.code_id: f.name for f in ELEMENT_FORMATS.values()}.get(packed >> 4, f"?{packed >> 4}")
     scales = {v[0]: k for k, v in SCALE_MODES.items()}.get(scale_id, f"?{scale_id}")
-    return f"group_size={1 << log2_group} fmt={fmt} transform={transform} scales={scales}"
+    rounding = {v: k for k, v in ROUNDINGS.items()}.get(group_byte >> 4, f"?{group_byte >> 4}")
+    rounding = "" if rounding == "nearest" else f" rounding={rounding}"
+    return f"group_size={1 << (group_byte & 0xF)} fmt={fmt} transform={transform} scales={scales}{rounding}"
 
 
 class WireFormatError(ValueError):

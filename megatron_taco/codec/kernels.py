@@ -101,6 +101,28 @@ def _e2m1_codes(r):
 
 
 @triton.jit
+def _uniform_noise(index):
+    """u in [0, 1) from int64 ``index`` (0..2^32-1): lowbias32 in wrapping 64-bit products masked to 32 bits,
+    then its top 24 bits (``reference.uniform_noise``)."""
+    x = index ^ (index >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    x = x ^ (x >> 16)
+    return (x >> 8).to(tl.float32) * (1.0 / (1 << 24))
+
+
+@triton.jit
+def _stochastic_magnitude(a, u, INTEGER: tl.constexpr, MAX: tl.constexpr):
+    """|q| rounded down or up to the 4-bit grid at random (``reference._stochastic_magnitude``)."""
+    if INTEGER:
+        return tl.floor(a + u)
+    inverse_step = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
+    step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
+    return tl.minimum(tl.floor(a * inverse_step + u) * step, MAX)
+
+
+@triton.jit
 def _four_bit_values(codes, INTEGER: tl.constexpr):
     """fp32 values of 4-bit codes (int32 0..15): INT4 two's complement, or E2M1 (``reference.code_values``)."""
     if INTEGER:
@@ -126,12 +148,14 @@ def _compress_kernel(
     head2,
     head3,
     eps,
+    seed,  # stochastic rounding: this call's seed (``TacoCodec.compress_rows``)
     G: tl.constexpr,
     LOG2G: tl.constexpr,
     BLOCK_G: tl.constexpr,
     ASH: tl.constexpr,
     SCALE_MODE: tl.constexpr,
     CODE_KIND: tl.constexpr,  # 0: FP8 E4M3, 1: FP8 E5M2, 2: FP4 E2M1, 3: INT4
+    STOCHASTIC: tl.constexpr,  # 4-bit codes: round up with probability equal to the distance (else nearest)
     FP8_MAX: tl.constexpr,  # the element format's largest value M (448, 57344, 6, 7)
     MANTISSA_BITS: tl.constexpr,
     MIN_NORMAL: tl.constexpr,
@@ -192,7 +216,15 @@ def _compress_kernel(
 
     q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
     if CODE_KIND >= 2:  # 4 bits, two per byte; a non-finite group's NaN scale decodes it to NaN
-        if CODE_KIND == 3:
+        if STOCHASTIC:
+            index = (row * (n_groups * G) + offsets) & 0xFFFFFFFF  # element of this call, rows padded to groups
+            magnitude = _stochastic_magnitude(tl.abs(q), _uniform_noise(index ^ seed), CODE_KIND == 3, FP8_MAX)
+            r = tl.where(q < 0, -magnitude, magnitude)
+            if CODE_KIND == 3:
+                nibbles = r.to(tl.int32) & 0xF
+            else:
+                nibbles = _e2m1_codes(r)
+        elif CODE_KIND == 3:
             nibbles = ((q + 12582912.0) - 12582912.0).to(tl.int32) & 0xF  # integers, ties to even
         else:
             nibbles = _e2m1_codes(_round_to_grid(q, MANTISSA_BITS, MIN_NORMAL, SUBNORMAL_SHIFTER))
@@ -331,8 +363,9 @@ def _launch_options(x: torch.Tensor, kernel: str) -> dict:
     return dict(num_warps=LAUNCH_CONFIG[kernel][1], enable_fp_fusion=False) if x.is_cuda else {}
 
 
-def compress_rows(x: torch.Tensor, out: torch.Tensor, settings: CodecSettings) -> None:
-    """Compress each row of ``x`` [R, m] (unit column stride) into the rows of ``out`` [R, nbytes]."""
+def compress_rows(x: torch.Tensor, out: torch.Tensor, settings: CodecSettings, seed: int = 0) -> None:
+    """Compress each row of ``x`` [R, m] (unit column stride) into the rows of ``out`` [R, nbytes]; ``seed``:
+    this call's stochastic-rounding seed (unused with rounding="nearest")."""
     rows, numel = x.shape
     n_groups, _, scales_offset = settings.layout(numel)
     common = _common(settings, "compress", LAUNCH_CONFIG["compress"])
@@ -347,6 +380,8 @@ def compress_rows(x: torch.Tensor, out: torch.Tensor, settings: CodecSettings) -
         scales_offset,
         *header_words(settings, numel),
         settings.eps,
+        seed,
+        STOCHASTIC=settings.rounding == "stochastic",
         NAN_BYTE=NAN_CODE,
         **common,
         **_format_constants(settings),

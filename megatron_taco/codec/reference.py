@@ -24,6 +24,9 @@ Per group of G values x (fp32), with M the FP8 maximum (448 for E4M3):
     4-bit formats (M = 6 for FP4 E2M1, 7 for INT4): the same, with q rounded to the
         E2M1 grid (ties to even) or to the integers (ties to even), coded in 4 bits and
         packed two per byte (element 2i in the low nibble).
+    rounding="stochastic" (4-bit): with the grid step d at |q| (INT4: 1; E2M1: 0.5, 1, 2 below 2, 4, 6),
+        |q| -> d * floor(|q| / d + u), u uniform in [0, 1) from a hash of (message seed, element index)
+        (:func:`uniform_noise`): rounds up with probability equal to the distance, so E[decode] = x.
 
 The sum of N messages (the reduce-scatter's local step) is H(sum_r q_r s_r)/sqrt(G)
 for one-scale modes: one transform instead of N.
@@ -35,7 +38,7 @@ NaN (never to silent zeros); an all-zero group decodes to exact zeros.
 from __future__ import annotations
 
 import functools
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -47,6 +50,8 @@ __all__ = [
     "inv_sqrt_group",
     "round_to_grid",
     "round_to_integer",
+    "hash32",
+    "uniform_noise",
     "encode_groups",
     "code_values",
     "decode_sum_groups",
@@ -145,11 +150,48 @@ def round_to_integer(v: torch.Tensor) -> torch.Tensor:
     return (v + shifter) - shifter
 
 
-def _four_bit_codes(q: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
-    """4-bit codes (int32 0..15) of q, |q| <= M: two's-complement INT4, or the E2M1 bit pattern s|ee|m."""
+_MASK32 = 0xFFFFFFFF
+
+
+def hash32(x):
+    """The lowbias32 integer hash of 32-bit values (a Python int or an int64 tensor holding 0..2^32-1): the
+    kernels compute the same with wrapping 64-bit products masked to 32 bits."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def uniform_noise(seed: int, rows: int, row_elements: int, device) -> torch.Tensor:
+    """u in [0, 1) (multiples of 2^-24) for element i of row r of one compress call (rows padded to whole groups:
+    ``row_elements`` = groups x G): hash32(((r * row_elements + i) mod 2^32) ^ seed), seed = the call's."""
+    index = torch.arange(rows * row_elements, dtype=torch.int64, device=device).view(rows, row_elements) & _MASK32
+    return (hash32(index ^ seed) >> 8).float() * (1.0 / (1 << 24))
+
+
+def _stochastic_magnitude(a: torch.Tensor, u: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
+    """|q| rounded down or up to the grid at random (up with probability equal to the distance, in steps)."""
     if fmt.integer:
+        return torch.floor(a + u)
+    inverse_step = torch.where(a < 2.0, 2.0, torch.where(a < 4.0, 1.0, 0.5))  # 1 / grid step: exact products
+    step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+    return torch.minimum(torch.floor(a * inverse_step + u) * step, _f32(fmt.max_value, a))
+
+
+def _four_bit_codes(q: torch.Tensor, fmt: ElementFormat, noise: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """4-bit codes (int32 0..15) of q, |q| <= M: two's-complement INT4, or the E2M1 bit pattern s|ee|m.
+
+    ``noise``: u in [0, 1) per element for stochastic rounding (None: nearest, ties to even)."""
+    if noise is not None:
+        magnitude = _stochastic_magnitude(q.abs(), noise, fmt)
+        r = torch.where(q < 0, -magnitude, magnitude)
+        if fmt.integer:
+            return r.to(torch.int32) & 0xF
+    elif fmt.integer:
         return round_to_integer(q).to(torch.int32) & 0xF
-    r = round_to_grid(q, fmt.mantissa_bits, fmt.min_normal_exp)
+    else:
+        r = round_to_grid(q, fmt.mantissa_bits, fmt.min_normal_exp)
     bits = r.view(torch.int32)
     sign = (bits >> 31) & 1
     exponent = ((bits >> 23) & 0xFF) - 127
@@ -182,10 +224,13 @@ def code_values(codes: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
     return torch.where((nibbles & 8) != 0, -magnitude, magnitude)
 
 
-def encode_groups(x: torch.Tensor, settings: CodecSettings) -> Tuple[torch.Tensor, torch.Tensor]:
+def encode_groups(
+    x: torch.Tensor, settings: CodecSettings, noise: Optional[torch.Tensor] = None
+) -> Tuple[torch.Tensor, torch.Tensor]:
     """Encode fp32 groups ``x`` of shape [n, G]; return (codes uint8 [n, G] or, 4-bit, [n, G / 2], scales).
 
     Scales are fp32 [n, 2] (s_q, s_a) for "dual", fp32 [n, 1] for "fp32", uint8 [n, 1] for "e8m0".
+    ``noise`` [n, G]: stochastic rounding's u per element (4-bit formats with rounding="stochastic").
     """
     fmt = settings.format
     fp8_max = _f32(fmt.max_value, x)
@@ -216,7 +261,7 @@ def encode_groups(x: torch.Tensor, settings: CodecSettings) -> Tuple[torch.Tenso
         stored = torch.stack([s_q, s_a], dim=-1) if settings.scales == "dual" else s_q[:, None]
     q = q.clamp(-fmt.max_value, fmt.max_value)
     if fmt.bits == 4:  # a non-finite group's NaN scale decodes it to NaN; its codes are zeros
-        codes = torch.where(nonfinite[:, None], 0, _four_bit_codes(q, fmt))
+        codes = torch.where(nonfinite[:, None], 0, _four_bit_codes(q, fmt, noise))
         return _pack_nibbles(codes), stored
     codes = q.to(fmt.torch_dtype).view(torch.uint8)
     codes = torch.where(nonfinite[:, None], torch.full_like(codes, NAN_CODE), codes)

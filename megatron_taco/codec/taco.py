@@ -17,6 +17,7 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from megatron_taco.codec import reference
+from megatron_taco.codec.reference import uniform_noise
 from megatron_taco.codec.format import (
     SUPPORTED_INPUT_DTYPES,
     CodecSettings,
@@ -52,6 +53,9 @@ class TacoCodec:  # a WireCodec (megatron_taco.codec.interface)
         scales: "fp32" (one folded scale per group, default), "dual" (the paper's
             s_q and s_a, 8 bytes per group) or "e8m0" (one power-of-two byte).
         backend: "auto" (Triton kernels on CUDA tensors, torch otherwise), "torch", "triton".
+        rounding: "nearest" (ties to even) or, for the 4-bit formats, "stochastic" (unbiased: for gradients).
+        seed: stochastic rounding's seed; call k of ``compress_rows`` uses hash32(seed * 2^16 + k) (mod 2^32),
+            the same on both backends, so a run is reproducible.
     """
 
     def __init__(
@@ -61,12 +65,18 @@ class TacoCodec:  # a WireCodec (megatron_taco.codec.interface)
         transform: str = "ash",
         scales: str = DEFAULT_SCALES,
         backend: str = "auto",
+        rounding: str = "nearest",
+        seed: int = 0,
     ) -> None:
-        self.settings = CodecSettings(group_size=group_size, fmt=fmt, transform=transform, scales=scales)
+        self.settings = CodecSettings(
+            group_size=group_size, fmt=fmt, transform=transform, scales=scales, rounding=rounding
+        )
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.backend = backend
         self._headers: dict = {}
+        self.seed = seed
+        self._calls = 0  # compress calls so far: stochastic rounding draws new noise for each
 
     def __repr__(self) -> str:
         return f"TacoCodec({self.settings.describe()}, backend={self.backend})"
@@ -127,17 +137,22 @@ class TacoCodec:  # a WireCodec (megatron_taco.codec.interface)
             out = torch.empty(rows.shape[0], nbytes, dtype=torch.uint8, device=rows.device)
         elif out.dtype != torch.uint8 or out.shape != (rows.shape[0], nbytes) or out.stride(1) != 1:
             raise ValueError(f"out must be a uint8 tensor of shape {(rows.shape[0], nbytes)} with unit column stride")
+        call_seed = reference.hash32(((self.seed << 16) + self._calls) & 0xFFFFFFFF)
+        self._calls += 1
         if self._use_triton(rows):
             from megatron_taco.codec import kernels
 
-            kernels.compress_rows(rows, out, self.settings)
+            kernels.compress_rows(rows, out, self.settings, call_seed)
             return out
         groups, codes_at, scales_at = self.settings.layout(numel)
         header = self._header(numel, rows.device)
-        for row, message in zip(rows, out):
+        stochastic = self.settings.rounding == "stochastic"
+        noise = uniform_noise(call_seed, rows.shape[0], groups * self.group_size, rows.device) if stochastic else None
+        for r, (row, message) in enumerate(zip(rows, out)):
             padded = torch.zeros(groups * self.group_size, dtype=torch.float32, device=rows.device)
             padded[:numel] = row
-            codes, scales = reference.encode_groups(padded.view(groups, self.group_size), self.settings)
+            row_noise = noise[r].view(groups, self.group_size) if stochastic else None
+            codes, scales = reference.encode_groups(padded.view(groups, self.group_size), self.settings, row_noise)
             message[:codes_at] = header
             message[codes_at:scales_at] = codes.reshape(-1)
             message[scales_at:] = scales.contiguous().view(torch.uint8).reshape(-1)

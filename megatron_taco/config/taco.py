@@ -48,6 +48,7 @@ class LinearSettings:
     fmt: str = "e4m3"  # the FP8 format of the fp8 modes (--taco-fp8-format)
     scales: str = "fp32"
     bwd_mode: Optional[str] = None  # the gradient traffic's mode (None: the same as ``mode``)
+    stochastic_bwd: bool = False  # the gradient traffic's 4-bit codes rounded stochastically (unbiased)
 
     def mode_for(self, direction: str) -> str:
         """The mode of the forward ("fwd") or the gradient ("bwd") traffic."""
@@ -68,9 +69,12 @@ class LinearSettings:
         mode = self.mode_for(direction)
         return _FOUR_BIT_FORMATS.get(mode.split("-")[0], self.fmt)
 
+    def rounding_for(self, direction: str) -> str:
+        return "stochastic" if direction == "bwd" and self.stochastic_bwd else "nearest"
+
     def describe_modes(self) -> str:
         """'fp8-ash', or 'fp4-ash (backward fp8-ash)' when the gradient traffic has its own mode."""
-        backward = self.mode_for("bwd")
+        backward = self.mode_for("bwd") + (", stochastic rounding" if self.stochastic_bwd else "")
         return self.mode if backward == self.mode else f"{self.mode} (backward {backward})"
 
 
@@ -198,6 +202,12 @@ def add_taco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="the gradient traffic's mode, one of the --taco-mode values (default: the same as --taco-mode); "
         "e.g. --taco-mode fp4-ash --taco-bwd-mode fp8-ash",
     )
+    group.add_argument(
+        "--taco-stochastic-rounding",
+        action="store_true",
+        help="round the gradient traffic's 4-bit codes stochastically (unbiased; needs a 4-bit --taco-bwd-mode "
+        "or --taco-mode)",
+    )
     group.add_argument("--taco-layers", default="all", help="layers to compress: 'all' or ranges like '1-4,9-12'")
     group.add_argument(
         "--taco-linears",
@@ -264,6 +274,7 @@ def taco_config_from_args(args: argparse.Namespace) -> TacoConfig:
     default = LinearSettings(
         mode=_choice(args.taco_mode, MODES, "--taco-mode"),
         bwd_mode=None if args.taco_bwd_mode is None else _choice(args.taco_bwd_mode, MODES, "--taco-bwd-mode"),
+        stochastic_bwd=bool(args.taco_stochastic_rounding),
         linears=_parse_linears(args.taco_linears, "--taco-linears"),
         direction=_choice(args.taco_direction, DIRECTIONS, "--taco-direction"),
         group_size=_choice(
@@ -272,6 +283,11 @@ def taco_config_from_args(args: argparse.Namespace) -> TacoConfig:
         fmt=_choice(args.taco_fp8_format, FORMATS, "--taco-fp8-format"),
         scales=_choice(args.taco_scales, SCALES, "--taco-scales"),
     )
+    if default.stochastic_bwd and default.element_format_for("bwd") not in _FOUR_BIT_FORMATS.values():
+        raise TacoConfigError(
+            "--taco-stochastic-rounding needs a 4-bit gradient mode (fp4, fp4-ash, int4, int4-ash as --taco-mode or "
+            f"--taco-bwd-mode); the gradient traffic's mode is {default.mode_for('bwd')}"
+        )
     for direction, flag in (("fwd", "--taco-mode"), ("bwd", "--taco-bwd-mode")):
         mode = default.mode_for(direction)
         if default.scales == "dual" and mode != "none" and default.transform_for(direction) != "ash":

@@ -14,6 +14,7 @@ import dataclasses
 from typing import Dict, Iterable, List, Optional
 
 import torch
+import torch.distributed as dist
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from megatron_taco.codec import TacoCodec
@@ -89,7 +90,8 @@ def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> 
             if not settings.compresses(name, direction):
                 return None
             fmt, transform = settings.element_format_for(direction), settings.transform_for(direction)
-            key = (settings.group_size, fmt, transform, settings.scales)
+            rounding = settings.rounding_for(direction)
+            key = (settings.group_size, fmt, transform, settings.scales, rounding)
             if key not in codecs:
                 codecs[key] = TacoCodec(
                     group_size=settings.group_size,
@@ -97,6 +99,8 @@ def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> 
                     transform=transform,
                     scales=settings.scales,
                     backend=config.backend,
+                    rounding=rounding,
+                    seed=dist.get_rank() if dist.is_initialized() else 0,  # each rank its own noise
                 )
             return codecs[key]
 
