@@ -1,6 +1,7 @@
 """Bandwidth of the fused TACO kernels vs a device-to-device copy, on one GPU.
 
     python -m benchmarks.kernels --out benchmarks/results/kernels.md
+    python -m benchmarks.kernels --fmt e2m1 --out benchmarks/results/kernels_fp4.md     # a 4-bit format
 
 For bf16 and fp32 inputs of 8-512 MiB: compress, decompress, and decompress-sum
 of N = 2 and 4 messages. Achieved bandwidth counts the bytes each kernel must
@@ -40,10 +41,14 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/kernels.md")
     parser.add_argument("--sizes-mib", default="8,32,64,128,256,512")
     parser.add_argument("--compare-sizes-mib", default="64,256", help="sizes where the torch reference runs too")
+    parser.add_argument("--fmt", default="e4m3", help="element format: e4m3, e5m2, e2m1 (FP4), int4")
+    parser.add_argument("--transform", default="ash", help="ash or none")
+    parser.add_argument("--scales", default="fp32", help="fp32, dual or e8m0")
+    parser.add_argument("--group-size", type=int, default=128)
     args = parser.parse_args()
     assert torch.cuda.is_available(), "benchmarks/kernels.py needs a CUDA GPU"
     torch.manual_seed(0)
-    codec = TacoCodec(backend="triton")
+    codec = TacoCodec(args.group_size, args.fmt, args.transform, args.scales, backend="triton")
     settings = codec.settings
 
     def reference_compress(x):
@@ -93,7 +98,7 @@ def main() -> None:
             print(row, flush=True)
             x = buf = copy_out = None  # freed before the next size
             torch.cuda.empty_cache()
-    _write(args, rows, sweep)
+    _write(args, rows, sweep, codec.settings.describe())
 
 
 def _sweep_launch_configs(codec: TacoCodec) -> list:
@@ -125,16 +130,17 @@ def _sweep_launch_configs(codec: TacoCodec) -> list:
     return results
 
 
-def _write(args, rows, sweep) -> None:
+def _write(args, rows, sweep, codec_description: str) -> None:
     props = torch.cuda.get_device_properties(0)
     lines = [
         "# TACO kernel bandwidth",
         "",
-        f"- Command: `python -m benchmarks.kernels --out {args.out}`",
+        f"- Command: `python -m benchmarks.kernels --out {args.out} --fmt {args.fmt} --transform {args.transform} "
+        f"--scales {args.scales} --group-size {args.group_size}`",
         f"- Commit: {project_commit()}",
         f"- Date: {datetime.date.today().isoformat()}; GPU: {props.name} ({props.multi_processor_count} SMs); "
         f"torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}",
-        "- Codec: G=128, E4M3, ASH, folded fp32 scale (the default). Times are medians of `triton.testing.do_bench`.",
+        f"- Codec: {codec_description}. Times are medians of `triton.testing.do_bench`.",
         "- Fraction = achieved bandwidth / bandwidth of a device-to-device copy of the input, same run. Bytes counted: "
         "compress and decompress = input tensor + message; decompress-sum of N = N messages + output.",
         "",
