@@ -170,14 +170,12 @@ def _patch_model_build() -> None:
                         f"linears, {stage}): {attached.describe()}",
                         flush=True,
                     )
-            mapl_hooks.attach(self)
+            boundaries = mapl_hooks.attach(self)
         except ValueError as exc:  # a ConfigError, or a model TACO or MAPL cannot attach to
             _fail(str(exc))
-        if mapl_hooks.describe() and first_of_stage:
-            print(
-                f"megatron_taco: MAPL ({stage}, chunk {getattr(self, 'vp_stage', None) or 0}): {mapl_hooks.describe()}",
-                flush=True,
-            )
+        if boundaries and first_of_stage:
+            chunk = getattr(self, "vp_stage", None) or 0
+            print(f"megatron_taco: MAPL ({stage}, chunk {chunk}): {boundaries}", flush=True)
 
     GPTModel.__init__ = init
 

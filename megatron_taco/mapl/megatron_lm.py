@@ -30,7 +30,7 @@ from typing import Any, Callable, List, Optional
 
 from megatron_taco.config.mapl import MaplConfig, MaplConfigError, mapl_config_from_args
 
-__all__ = ["configure", "attach", "describe", "install", "log_lines"]
+__all__ = ["configure", "attach", "install", "log_lines"]
 
 _STATE: dict = {"cfg": None, "stages": [], "sync": None}
 
@@ -58,29 +58,26 @@ def configure(args: argparse.Namespace) -> Optional[MaplConfig]:
     return cfg
 
 
-def attach(model: Any) -> None:
-    """Attach MAPL's codecs to one freshly built GPTModel chunk (no-op when MAPL is off)."""
+def attach(model: Any) -> Optional[str]:
+    """Attach MAPL's codecs to one freshly built GPTModel chunk; return its boundaries in words for the
+    start-up line (None when MAPL is off)."""
     cfg = _STATE["cfg"]
     if cfg is None:
-        return
+        return None
     from megatron.training import get_args
 
     from megatron_taco.mapl.stage import attach_mapl
 
-    _STATE["stages"].append(attach_mapl(model, cfg, seed=get_args().seed))
-
-
-def describe() -> str:
-    """This rank's boundaries in words, for the start-up line."""
+    stage = attach_mapl(model, cfg, seed=get_args().seed)
+    _STATE["stages"].append(stage)
     parts = []
-    for stage in _STATE["stages"]:
-        for side, codec in (("receives", stage.recv), ("sends", stage.send)):
-            if codec is not None:
-                vq = f", VQ {codec.vq.levels} x {codec.vq.codes} codes" if codec.vq is not None else ""
-                parts.append(
-                    f"{side} boundary {codec.boundary} at width {codec.rank} of {codec.hidden_size} "
-                    f"({codec.hidden_size / codec.rank:g}x{vq})"
-                )
+    for side, codec in (("receives", stage.recv), ("sends", stage.send)):
+        if codec is not None:
+            vq = f", VQ {codec.vq.levels} x {codec.vq.codes} codes" if codec.vq is not None else ""
+            parts.append(
+                f"{side} boundary {codec.boundary} at width {codec.rank} of {codec.hidden_size} "
+                f"({codec.hidden_size / codec.rank:g}x{vq})"
+            )
     return "; ".join(parts)
 
 
