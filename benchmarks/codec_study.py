@@ -27,7 +27,7 @@ from megatron_taco.training.model import ModelShape
 
 from .provenance import project_commit
 
-GROUPS = (32, 64, 128, 256)
+GROUPS = (16, 32, 64, 128, 256)
 STUDY_MODEL = ModelShape(
     num_layers=4, hidden_size=256, num_attention_heads=8, ffn_hidden_size=1024, vocab_size=256, seq_length=128
 )
@@ -45,6 +45,9 @@ def _variants(group: int) -> Dict[str, object]:
         "FP4 E2M1 + Hadamard": TacoCodec(group, fmt="e2m1", scales="fp32", backend="torch"),
         "FP4 E2M1 + Hadamard, E8M0": TacoCodec(group, fmt="e2m1", scales="e8m0", backend="torch"),
         "FP4 E2M1, no Hadamard": TacoCodec(group, fmt="e2m1", transform="none", scales="fp32", backend="torch"),
+        "FP4 E2M1 + Hadamard, E4M3 x message scale (NVFP4 at G=16)": TacoCodec(
+            group, fmt="e2m1", scales="e4m3", backend="torch"
+        ),
         "INT4 + Hadamard": TacoCodec(group, fmt="int4", scales="fp32", backend="torch"),
         "INT4 + Hadamard, E8M0": TacoCodec(group, fmt="int4", scales="e8m0", backend="torch"),
         "INT4, no Hadamard": TacoCodec(group, fmt="int4", transform="none", scales="fp32", backend="torch"),
@@ -58,6 +61,7 @@ FOUR_BIT = (
     "INT4 + Hadamard",
     "INT4 + Hadamard, E8M0",
     "INT4, no Hadamard",
+    "FP4 E2M1 + Hadamard, E4M3 x message scale (NVFP4 at G=16)",
 )
 
 

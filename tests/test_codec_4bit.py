@@ -20,11 +20,13 @@ SETTINGS = [  # (transform, scales, group size)
     ("ash", "dual", 64),
     ("none", "fp32", 32),
     ("none", "e8m0", 256),
+    ("ash", "e4m3", 16),  # NVFP4's layout: E4M3 group scales times an fp32 message scale, G=16
+    ("none", "e4m3", 16),
 ]
 # worst relative L2 error observed per setting over both formats and the test distributions (64 x 4096, seed 5):
 # 0.117, 0.144, 0.107, 0.145, 0.375 (without a transform, large groups with power-of-two scales lose the
-# small values of heavy-tailed groups); the bounds are 1.3x those
-ERROR_BOUNDS = dict(zip(SETTINGS, (0.152, 0.187, 0.14, 0.189, 0.49)))
+# small values of heavy-tailed groups), 0.099, 0.114; the bounds are 1.3x those
+ERROR_BOUNDS = dict(zip(SETTINGS, (0.152, 0.187, 0.14, 0.189, 0.49, 0.129, 0.149)))
 # every value the 4-bit codes stand for (float64)
 GRIDS = {
     "e2m1": torch.tensor([0, 0.5, 1, 1.5, 2, 3, 4, 6], dtype=torch.float64),
@@ -104,12 +106,31 @@ def test_error_and_signed_bias_on_realistic_traffic(fmt, transform, scales, grou
 
 
 @pytest.mark.parametrize("fmt", FOUR_BIT)
-@pytest.mark.parametrize("scales,group", [("e8m0", 32), ("fp32", 128), ("e8m0", 256)])
+@pytest.mark.parametrize("scales,group", [("e8m0", 32), ("fp32", 128), ("e8m0", 256), ("e4m3", 16)])
 def test_wire_is_at_least_3_5x_smaller_than_bf16(fmt, scales, group):
     codec = TacoCodec(group_size=group, fmt=fmt, scales=scales)
     numel = 1 << 20
-    assert codec.compressed_nbytes(numel) == 16 + (numel // group) * (group // 2 + codec.settings.scale_bytes)
+    message_scale = 4 if scales == "e4m3" else 0
+    assert codec.compressed_nbytes(numel) == (
+        16 + (numel // group) * (group // 2 + codec.settings.scale_bytes) + message_scale
+    )
     assert codec.compression_ratio(numel) >= 3.5
+
+
+def test_e4m3_group_scales_follow_the_message_scale():
+    """scales="e4m3": the last 4 bytes are S = max|x| / (M * 448) in fp32; each group's byte is the E4M3 of
+    its amax / M / S; a group far below the message's max keeps its own scale (not flushed to the max's)."""
+    codec = TacoCodec(group_size=16, fmt="e2m1", transform="none", scales="e4m3", backend="torch")
+    x = torch.zeros(64)
+    x[:16], x[16:32], x[32:48] = 600.0, 0.01, torch.linspace(-3, 3, 16)
+    message = codec.compress(x)
+    message_scale = message[-4:].clone().view(torch.float32)
+    assert float(message_scale) == pytest.approx(600.0 / (6 * 448), rel=1e-7)
+    group_bytes = message[-8:-4].view(torch.float8_e4m3fn).float()
+    assert group_bytes[0] == 448.0 and group_bytes[3] == 0.0  # the max group, and the all-zero group
+    decoded = codec.decompress(message, x.shape)
+    assert torch.allclose(decoded[16:32], x[16:32], rtol=0.1, atol=0)  # 0.01, 5 decades below the max, survives
+    assert torch.equal(decoded[48:], torch.zeros(16))
 
 
 def test_a_message_of_another_format_is_refused_by_name():
@@ -263,3 +284,16 @@ def test_stochastic_rounding_flag_rounds_the_gradient_traffic_only():
     assert mixed.describe_modes() == "fp8-ash (backward int4-ash, stochastic rounding)"
     with pytest.raises(TacoConfigError, match="--taco-stochastic-rounding needs a 4-bit gradient mode"):
         settings("--taco-mode", "fp4-ash", "--taco-bwd-mode", "fp8-ash", "--taco-stochastic-rounding")
+
+
+def test_e4m3_scales_are_refused_for_fp8_modes_at_start_up():
+    import argparse
+
+    from megatron_taco.config.errors import TacoConfigError
+    from megatron_taco.config.taco import add_taco_args, taco_config_from_args
+
+    flags = ["--taco-mode", "fp8-ash", "--taco-scales", "e4m3", "--taco-group-size", "16"]
+    with pytest.raises(TacoConfigError, match="--taco-scales e4m3 .* is for the 4-bit modes, not --taco-mode fp8-ash"):
+        taco_config_from_args(add_taco_args(argparse.ArgumentParser()).parse_args(flags))
+    nvfp4 = ["--taco-mode", "fp4-ash", "--taco-scales", "e4m3", "--taco-group-size", "16"]
+    assert taco_config_from_args(add_taco_args(argparse.ArgumentParser()).parse_args(nvfp4)).default.scales == "e4m3"

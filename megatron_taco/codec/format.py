@@ -2,7 +2,8 @@
 
 A message is one contiguous uint8 buffer::
 
-    [ header (16 B) | codes (n_groups * G bytes) | scales (n_groups * scale_bytes) ]
+    [ header (16 B) | codes (n_groups * G bytes, or G / 2 for 4-bit) | scales (n_groups * scale_bytes) ]
+    (+ 4 bytes with scales="e4m3": the message's fp32 scale, little-endian, after the group scales)
 
 The header lets a receiver refuse a buffer made with other settings instead of
 decoding garbage::
@@ -18,7 +19,8 @@ Codes are FP8 bit patterns, one byte per element, or 4-bit codes (FP4 E2M1 bit
 patterns, or two's-complement INT4) packed two per byte, element 2i in the low
 nibble (the last group is zero-padded; padding never reaches the output). Scales are per group: ``dual`` stores (s_q, s_a) as two
 fp32, ``fp32`` stores one folded fp32 scale, ``e8m0`` one biased power-of-two
-exponent byte.
+exponent byte, ``e4m3`` one E4M3 byte that multiplies the message's fp32 scale (the NVFP4 layout: 4-bit
+formats, G=16).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ __all__ = [
     "TRANSFORMS",
     "ROUNDINGS",
     "SCALE_MODES",
+    "MESSAGE_SCALE_BYTES",
     "GROUP_SIZES",
     "SUPPORTED_INPUT_DTYPES",
     "NAN_CODE",
@@ -78,8 +81,9 @@ ELEMENT_FORMATS: Dict[str, ElementFormat] = {
 }
 FP8_FORMATS: Dict[str, ElementFormat] = {k: f for k, f in ELEMENT_FORMATS.items() if f.bits == 8}
 TRANSFORMS = {"ash": 0, "none": 1}
-SCALE_MODES = {"dual": (2, 8), "fp32": (1, 4), "e8m0": (3, 1)}  # name: (wire id, bytes per group)
-GROUP_SIZES = (32, 64, 128, 256)
+SCALE_MODES = {"dual": (2, 8), "fp32": (1, 4), "e8m0": (3, 1), "e4m3": (4, 1)}  # name: (wire id, bytes per group)
+MESSAGE_SCALE_BYTES = {"e4m3": 4}  # scale modes with one fp32 scale per message besides the group scales
+GROUP_SIZES = (16, 32, 64, 128, 256)
 # nearest: ties to even; stochastic (4-bit formats): up with probability equal to the distance from the code
 # below, in grid steps, so the expected decode is the input (for gradient traffic)
 ROUNDINGS = {"nearest": 0, "stochastic": 1}
@@ -110,6 +114,11 @@ class CodecSettings:
             raise ValueError(f"scales must be one of {sorted(SCALE_MODES)}, got {self.scales!r}")
         if self.scales == "dual" and self.transform != "ash":
             raise ValueError("scales='dual' stores the adaptive scale of transform='ash'; use 'fp32' or 'e8m0'")
+        if self.scales == "e4m3" and self.format.bits != 4:
+            raise ValueError(
+                f"scales='e4m3' (E4M3 group scales times a message scale) is built for the 4-bit "
+                f"formats (e2m1, int4), not {self.fmt}"
+            )
         if self.rounding not in ROUNDINGS:
             raise ValueError(f"rounding must be one of {sorted(ROUNDINGS)}, got {self.rounding!r}")
         if self.rounding == "stochastic" and self.format.bits != 4:
@@ -148,7 +157,7 @@ class CodecSettings:
 
     def compressed_nbytes(self, numel: int) -> int:
         groups = self.num_groups(numel)
-        return HEADER_BYTES + groups * (self.code_bytes + self.scale_bytes)
+        return HEADER_BYTES + groups * (self.code_bytes + self.scale_bytes) + MESSAGE_SCALE_BYTES.get(self.scales, 0)
 
     def layout(self, numel: int) -> Tuple[int, int, int]:
         """(number of groups, byte offset of codes, byte offset of scales) in a message."""

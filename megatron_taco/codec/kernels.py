@@ -33,7 +33,7 @@ from megatron_taco.codec.format import NAN_CODE, CodecSettings, header_words
 
 __all__ = ["LAUNCH_CONFIG", "compress_rows", "decompress_rows"]
 
-_SCALE_MODE_IDS = {"fp32": 0, "dual": 1, "e8m0": 2}
+_SCALE_MODE_IDS = {"fp32": 0, "dual": 1, "e8m0": 2, "e4m3": 3}
 _CODE_KINDS = {"e4m3": 0, "e5m2": 1, "e2m1": 2, "int4": 3}
 # GPU launch shape: elements per program (BLOCK_G = tile // G) and warps, per kernel.
 # Chosen from the sweep in benchmarks/kernels.py (see benchmarks/results/kernels.md).
@@ -135,6 +135,68 @@ def _four_bit_values(codes, INTEGER: tl.constexpr):
 
 
 @triton.jit
+def _transform_and_amax(
+    x,
+    eps,
+    G: tl.constexpr,
+    LOG2G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    ASH: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    INV_SQRT_G: tl.constexpr,
+):
+    """(y, s_a, amax, nonfinite) of a [BLOCK_G, G] tile: y = H(x) / sqrt(G) (times s_a in the paper's dual-scale
+    form), per group max |y| (0 for a non-finite group) and whether the group holds NaN or Inf."""
+    fp8_max = tl.full((BLOCK_G,), FP8_MAX, tl.float32)
+    s_a = tl.full((BLOCK_G,), 1.0, tl.float32)
+    if ASH:
+        if SCALE_MODE == 1:
+            mean_square = _pairwise_sum(x * x, BLOCK_G, G, LOG2G) * (1.0 / G)
+            rms = tl.sqrt_rn(mean_square + eps)
+            raw = tl.math.div_rn(fp8_max, rms)
+            # clamp, with one NaN bit pattern for NaN as in the reference (GPU min/max drop NaN)
+            s_a = tl.where(raw != raw, float("nan"), tl.minimum(tl.maximum(raw, 1e-3), 1e3))
+            y = _fwht(x, BLOCK_G, G, LOG2G) * (s_a * INV_SQRT_G)[:, None]
+        else:
+            y = _fwht(x, BLOCK_G, G, LOG2G) * INV_SQRT_G
+    else:
+        y = x
+    # max |y| with NaN counted as Inf (a GPU max skips NaN): a group is non-finite iff that max is Inf.
+    amax = tl.max(tl.where(y != y, float("inf"), tl.abs(y)), axis=1)
+    nonfinite = amax == float("inf")
+    amax = tl.where(nonfinite, 0.0, amax)
+    return y, s_a, amax, nonfinite
+
+
+@triton.jit
+def _group_amax_kernel(
+    x_ptr,
+    amax_ptr,
+    x_row_stride,
+    numel,
+    n_groups,
+    eps,
+    G: tl.constexpr,
+    LOG2G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    ASH: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    INV_SQRT_G: tl.constexpr,
+):
+    """amax[row, group] = max |y| of the group (0 if non-finite): the first pass of scales="e4m3", whose
+    message scale needs the whole row's maximum before any group is quantized."""
+    pid = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    groups = pid * BLOCK_G + tl.arange(0, BLOCK_G)
+    offsets = groups.to(tl.int64)[:, None] * G + tl.arange(0, G)[None, :]
+    x = tl.load(x_ptr + row * x_row_stride + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
+    _, _, amax, _ = _transform_and_amax(x, eps, G, LOG2G, BLOCK_G, ASH, SCALE_MODE, FP8_MAX, INV_SQRT_G)
+    tl.store(amax_ptr + row * n_groups + groups, amax, mask=groups < n_groups)
+
+
+@triton.jit
 def _compress_kernel(
     x_ptr,
     out_ptr,
@@ -149,6 +211,7 @@ def _compress_kernel(
     head3,
     eps,
     seed,  # stochastic rounding: this call's seed (``TacoCodec.compress_rows``)
+    row_amax_ptr,  # scales="e4m3": each row's max |y| (the first pass); unused otherwise
     G: tl.constexpr,
     LOG2G: tl.constexpr,
     BLOCK_G: tl.constexpr,
@@ -162,6 +225,8 @@ def _compress_kernel(
     SUBNORMAL_SHIFTER: tl.constexpr,
     INV_SQRT_G: tl.constexpr,
     NAN_BYTE: tl.constexpr,
+    E4M3_MIN_NORMAL: tl.constexpr,  # the E4M3 grid of scales="e4m3"'s group bytes
+    E4M3_SUBNORMAL_SHIFTER: tl.constexpr,
 ):
     """Row program_id(1) of x (``numel`` elements each) -> row program_id(1) of out (one message each)."""
     pid = tl.program_id(0)
@@ -182,28 +247,22 @@ def _compress_kernel(
     x = tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
     fp8_max = tl.full((BLOCK_G,), FP8_MAX, tl.float32)
 
-    # Transform: y = H(x) / sqrt(G)  (times s_a in the paper's dual-scale form).
-    s_a = tl.full((BLOCK_G,), 1.0, tl.float32)
-    if ASH:
-        if SCALE_MODE == 1:
-            mean_square = _pairwise_sum(x * x, BLOCK_G, G, LOG2G) * (1.0 / G)
-            rms = tl.sqrt_rn(mean_square + eps)
-            raw = tl.math.div_rn(fp8_max, rms)
-            # clamp, with one NaN bit pattern for NaN as in the reference (GPU min/max drop NaN)
-            s_a = tl.where(raw != raw, float("nan"), tl.minimum(tl.maximum(raw, 1e-3), 1e3))
-            y = _fwht(x, BLOCK_G, G, LOG2G) * (s_a * INV_SQRT_G)[:, None]
-        else:
-            y = _fwht(x, BLOCK_G, G, LOG2G) * INV_SQRT_G
-    else:
-        y = x
+    y, s_a, amax, nonfinite = _transform_and_amax(x, eps, G, LOG2G, BLOCK_G, ASH, SCALE_MODE, FP8_MAX, INV_SQRT_G)
 
-    # max |y| with NaN counted as Inf (a GPU max skips NaN): a group is non-finite iff that max is Inf.
-    amax = tl.max(tl.where(y != y, float("inf"), tl.abs(y)), axis=1)
-    nonfinite = amax == float("inf")
-    amax = tl.where(nonfinite, 0.0, amax)
-
-    # Quantization scale: s_q = amax / M, or its power-of-two ceiling 2^e for E8M0.
-    if SCALE_MODE == 2:
+    # Quantization scale: s_q = amax / M, its power-of-two ceiling 2^e for E8M0, or an E4M3 byte times the
+    # message scale S = (max over the row) / (M * 448) for "e4m3" (``reference._e4m3_scaled``).
+    if SCALE_MODE == 3:
+        row_amax = tl.load(row_amax_ptr + row)
+        message_scale = tl.where(row_amax > 0, tl.math.div_rn(row_amax, FP8_MAX * 448.0), 1.0)
+        ratio = tl.minimum(tl.math.div_rn(tl.math.div_rn(amax, fp8_max), message_scale), 448.0)
+        ratio = _round_to_grid(ratio, 3, E4M3_MIN_NORMAL, E4M3_SUBNORMAL_SHIFTER)
+        group_bytes = tl.where(nonfinite, NAN_BYTE, ratio.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+        group_scale = group_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * message_scale
+        q = (
+            y
+            * tl.where(group_scale > 0, tl.math.div_rn(tl.full((BLOCK_G,), 1.0, tl.float32), group_scale), 0.0)[:, None]
+        )
+    elif SCALE_MODE == 2:
         need_bits = tl.math.div_rn(amax, fp8_max).to(tl.int32, bitcast=True)
         exponent = ((need_bits >> 23) & 0xFF) - 127 + ((need_bits & 0x7FFFFF) != 0).to(tl.int32)
         exponent = tl.minimum(tl.maximum(exponent, -126), 126)
@@ -241,7 +300,13 @@ def _compress_kernel(
         codes = tl.where(nonfinite[:, None], NAN_BYTE, codes)
         tl.store(out_ptr + 16 + offsets, codes, mask=group_ok[:, None])
 
-    if SCALE_MODE == 2:
+    if SCALE_MODE == 3:
+        tl.store(out_ptr + scales_offset + groups, group_bytes, mask=group_ok)
+        if pid == 0:  # the message scale, as 4 little-endian bytes after the group bytes (no alignment needed)
+            word = message_scale.to(tl.uint32, bitcast=True)
+            shifts = tl.arange(0, 4) * 8
+            tl.store(out_ptr + scales_offset + n_groups + tl.arange(0, 4), ((word >> shifts) & 0xFF).to(tl.uint8))
+    elif SCALE_MODE == 2:
         stored = tl.where(nonfinite, 255, exponent + 127).to(tl.uint8)
         tl.store(out_ptr + scales_offset + groups, stored, mask=group_ok)
     else:
@@ -301,7 +366,13 @@ def _decompress_sum_kernel(
                 y = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             else:
                 y = codes.to(tl.float8e5, bitcast=True).to(tl.float32)
-        if SCALE_MODE == 2:
+        if SCALE_MODE == 3:
+            group_byte = tl.load(buf + scales_offset + groups, mask=group_ok, other=0)
+            message_bytes = tl.load(buf + scales_offset + n_groups + tl.arange(0, 4)).to(tl.uint32)
+            word = tl.sum(message_bytes << (tl.arange(0, 4) * 8), axis=0)
+            scale = group_byte.to(tl.float8e4nv, bitcast=True).to(tl.float32) * word.to(tl.float32, bitcast=True)
+            scale = tl.where((group_byte & 0x7F) == 0x7F, float("nan"), scale)  # E4M3's NaN (the interpreter: 448)
+        elif SCALE_MODE == 2:
             exponent = tl.load(buf + scales_offset + groups, mask=group_ok, other=127).to(tl.int32)
             scale = (tl.minimum(tl.maximum(exponent, 1), 254) << 23).to(tl.float32, bitcast=True)
             scale = tl.where(exponent == 255, float("nan"), scale)
@@ -370,6 +441,22 @@ def compress_rows(x: torch.Tensor, out: torch.Tensor, settings: CodecSettings, s
     n_groups, _, scales_offset = settings.layout(numel)
     common = _common(settings, "compress", LAUNCH_CONFIG["compress"])
     grid = (max(1, triton.cdiv(n_groups, common["BLOCK_G"])), rows)
+    format_constants = _format_constants(settings)
+    row_amax = x  # a placeholder pointer: read only by scales="e4m3"
+    if settings.scales == "e4m3":  # first pass: every group's max, then the row's
+        group_amax = torch.empty(rows, n_groups, dtype=torch.float32, device=x.device)
+        _group_amax_kernel[grid](
+            x,
+            group_amax,
+            x.stride(0),
+            numel,
+            n_groups,
+            settings.eps,
+            FP8_MAX=format_constants["FP8_MAX"],
+            **{k: common[k] for k in ("G", "LOG2G", "BLOCK_G", "ASH", "SCALE_MODE", "INV_SQRT_G")},
+            **_launch_options(x, "compress"),
+        )
+        row_amax = group_amax.amax(dim=1)
     _compress_kernel[grid](
         x,
         out,
@@ -381,10 +468,12 @@ def compress_rows(x: torch.Tensor, out: torch.Tensor, settings: CodecSettings, s
         *header_words(settings, numel),
         settings.eps,
         seed,
+        row_amax,
         STOCHASTIC=settings.rounding == "stochastic",
         NAN_BYTE=NAN_CODE,
+        **{f"E4M3_{k}": v for k, v in _grid_constants(3, -6).items() if k != "MANTISSA_BITS"},
         **common,
-        **_format_constants(settings),
+        **format_constants,
         **_launch_options(x, "compress"),
     )
 

@@ -20,6 +20,8 @@ Per group of G values x (fp32), with M the FP8 maximum (448 for E4M3):
         x' = H(q * s) / sqrt(G)
     scales="e8m0": as "fp32" with s rounded up to a power of two 2^e (q = y * 2^-e
         is exact); stores the byte e + 127.
+    scales="e4m3" (4-bit formats, NVFP4's layout): S = max|y| of the message / (M * 448) in fp32, then per
+        group the E4M3 byte b = e4m3(amax / M / S) and s = b * S; q = y / s, clamped to M.
     transform="none": y = x (per-group FP8 without Hadamard).
     4-bit formats (M = 6 for FP4 E2M1, 7 for INT4): the same, with q rounded to the
         E2M1 grid (ties to even) or to the integers (ties to even), coded in 4 bits and
@@ -229,7 +231,8 @@ def encode_groups(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Encode fp32 groups ``x`` of shape [n, G]; return (codes uint8 [n, G] or, 4-bit, [n, G / 2], scales).
 
-    Scales are fp32 [n, 2] (s_q, s_a) for "dual", fp32 [n, 1] for "fp32", uint8 [n, 1] for "e8m0".
+    Scales are fp32 [n, 2] (s_q, s_a) for "dual", fp32 [n, 1] for "fp32", uint8 [n, 1] for "e8m0", and for
+    "e4m3" 1-D uint8 [n + 4]: the group bytes, then the message scale.
     ``noise`` [n, G]: stochastic rounding's u per element (4-bit formats with rounding="stochastic").
     """
     fmt = settings.format
@@ -252,6 +255,8 @@ def encode_groups(
         exponent = _ceil_pow2_exponent(div_rn(amax, fp8_max))
         q = y * _pow2(-exponent)[:, None]
         stored = torch.where(nonfinite, 255, exponent + 127).to(torch.uint8)[:, None]
+    elif settings.scales == "e4m3":
+        q, stored = _e4m3_scaled(y, amax, nonfinite, fp8_max)
     else:
         s_q = torch.where(amax > 0, div_rn(amax, fp8_max), torch.ones_like(amax))
         s_q = torch.where(nonfinite, nan, s_q)
@@ -268,8 +273,31 @@ def encode_groups(
     return codes, stored
 
 
+E4M3_MAX = 448.0
+
+
+def _e4m3_scaled(y: torch.Tensor, amax: torch.Tensor, nonfinite: torch.Tensor, element_max: torch.Tensor):
+    """scales="e4m3" (NVFP4's layout): the message scale S = max_g amax_g / (M * 448) (fp32), each group's
+    E4M3 byte b_g = e4m3(amax_g / M / S), its scale s_g = b_g * S; q = y * (1 / s_g) (0 where s_g is 0).
+
+    Returns (q, the stored bytes: [group bytes..., S as 4 little-endian bytes])."""
+    row_amax = amax.max()
+    message_scale = torch.where(row_amax > 0, div_rn(row_amax, element_max * E4M3_MAX), torch.ones_like(row_amax))
+    ratio = div_rn(div_rn(amax, element_max), message_scale).clamp(max=E4M3_MAX)
+    group_bytes = ratio.to(torch.float8_e4m3fn).view(torch.uint8)
+    group_bytes = torch.where(nonfinite, torch.full_like(group_bytes, NAN_CODE), group_bytes)
+    group_scale = group_bytes.view(torch.float8_e4m3fn).float() * message_scale
+    inverse = torch.where(group_scale > 0, div_rn(torch.ones_like(group_scale), group_scale), 0.0)
+    stored = torch.cat([group_bytes, message_scale.reshape(1).view(torch.uint8)])
+    return y * inverse[:, None], stored
+
+
 def decode_scale(scales: torch.Tensor, settings: CodecSettings) -> torch.Tensor:
-    """Per-group multiplier of the codes: s_q, the folded scale, or 2^e (NaN for byte 255)."""
+    """Per-group multiplier of the codes: s_q, the folded scale, 2^e (NaN for byte 255), or, for "e4m3", the
+    group's E4M3 byte times the message scale (``scales``: the message's whole scale section, 1-D bytes)."""
+    if settings.scales == "e4m3":
+        message_scale = scales[-4:].clone().view(torch.float32)
+        return scales[:-4].view(torch.float8_e4m3fn).float() * message_scale
     if settings.scales == "e8m0":
         exponent = scales[:, 0].to(torch.int32)
         return torch.where(exponent == 255, float("nan"), _pow2(exponent.clamp(1, 254) - 127))

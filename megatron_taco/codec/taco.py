@@ -47,11 +47,12 @@ class TacoCodec:  # a WireCodec (megatron_taco.codec.interface)
     """Compress float tensors to one FP8 or 4-bit wire message and back.
 
     Args:
-        group_size: G in {32, 64, 128, 256}: elements sharing one scale and one Hadamard.
+        group_size: G in {16, 32, 64, 128, 256}: elements sharing one scale and one Hadamard.
         fmt: "e4m3" (max 448, default) or "e5m2" (max 57344); 4-bit: "e2m1" (FP4, max 6) or "int4" (-7..7).
         transform: "ash" (adaptive scale + Hadamard) or "none" (per-group FP8 only).
         scales: "fp32" (one folded scale per group, default), "dual" (the paper's
-            s_q and s_a, 8 bytes per group) or "e8m0" (one power-of-two byte).
+            s_q and s_a, 8 bytes per group), "e8m0" (one power-of-two byte) or, for the 4-bit formats, "e4m3"
+            (one E4M3 byte per group times one fp32 scale per message: NVFP4's layout, with group_size=16).
         backend: "auto" (Triton kernels on CUDA tensors, torch otherwise), "torch", "triton".
         rounding: "nearest" (ties to even) or, for the 4-bit formats, "stochastic" (unbiased: for gradients).
         seed: stochastic rounding's seed; call k of ``compress_rows`` uses hash32(seed * 2^16 + k) (mod 2^32),
@@ -162,6 +163,8 @@ class TacoCodec:  # a WireCodec (megatron_taco.codec.interface)
         """(codes [groups, G], scales [groups, k]) views of one message."""
         groups, codes_at, scales_at = self.settings.layout(numel)
         codes = buf[codes_at:scales_at].view(groups, self.settings.code_bytes)
+        if self.settings.scales == "e4m3":  # the group bytes and the message scale, as they lie
+            return codes, buf[scales_at:]
         scale_dtype = torch.uint8 if self.settings.scales == "e8m0" else torch.float32
         per_group = self.settings.scale_bytes // torch.empty((), dtype=scale_dtype).element_size()
         return codes, buf[scales_at:].view(scale_dtype).view(groups, per_group)

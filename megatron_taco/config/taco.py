@@ -290,6 +290,11 @@ def taco_config_from_args(args: argparse.Namespace) -> TacoConfig:
         )
     for direction, flag in (("fwd", "--taco-mode"), ("bwd", "--taco-bwd-mode")):
         mode = default.mode_for(direction)
+        if default.scales == "e4m3" and mode != "none" and default.element_format_for(direction) in FORMATS:
+            raise TacoConfigError(
+                f"--taco-scales e4m3 (E4M3 group scales times a message scale, NVFP4's layout) is for the 4-bit "
+                f"modes, not {flag} {mode}; use fp32, dual or e8m0 with FP8"
+            )
         if default.scales == "dual" and mode != "none" and default.transform_for(direction) != "ash":
             raise TacoConfigError(
                 f"--taco-scales dual stores the adaptive scale of the -ash modes, not {flag} {mode}; use fp32 or e8m0"
