@@ -218,7 +218,8 @@ def test_the_four_bit_modes_select_their_formats(mode, fmt, transform):
 
 
 def test_forward_four_bit_with_fp8_gradients():
-    """--taco-bwd-mode: the gradient traffic gets its own codec; the start-up text names both."""
+    """--taco-bwd-mode: the gradient traffic gets its own settings; the start-up text names both (the codecs the
+    linears get: tests/test_taco_megatron.py, four-bit-forward-fp8-backward)."""
     import argparse
 
     from megatron_taco.config.taco import add_taco_args, taco_config_from_args
@@ -245,9 +246,8 @@ def test_stochastic_rounding_kernels_match_the_reference_call_after_call(fmt, tr
 
 @pytest.mark.parametrize("fmt", FOUR_BIT)
 def test_stochastic_rounding_is_unbiased_where_nearest_is_not(fmt):
-    """Values stuck between two codes: nearest always rounds them the same way (a bias of 0.2 grid units at
-    0.3 between 0 and 0.5, or 1.3 between 1 and 2), stochastic rounding averages to them (400 calls: within
-    0.01, about 5 standard errors)."""
+    """Values stuck between two codes: nearest always rounds them the same way (E2M1: 0.3 -> 0.5, a bias of
+    +0.2; INT4: 1.3 -> 1, -0.3), stochastic rounding averages to them (400 calls of 31 values: within 0.01)."""
     stuck = {"e2m1": 0.3, "int4": 1.3}[fmt]
     x = torch.full((32,), stuck)
     x[0] = ELEMENT_FORMATS[fmt].max_value  # the group's max: the scale is exactly 1
@@ -297,3 +297,26 @@ def test_e4m3_scales_are_refused_for_fp8_modes_at_start_up():
         taco_config_from_args(add_taco_args(argparse.ArgumentParser()).parse_args(flags))
     nvfp4 = ["--taco-mode", "fp4-ash", "--taco-scales", "e4m3", "--taco-group-size", "16"]
     assert taco_config_from_args(add_taco_args(argparse.ArgumentParser()).parse_args(nvfp4)).default.scales == "e4m3"
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (
+            ["--taco-mode", "fp4-ash", "--taco-stochastic-rounding", "--taco-override", "1-2:bwd_mode=fp8-ash"],
+            "--taco-stochastic-rounding needs a 4-bit gradient mode .* \\(in --taco-override '1-2:bwd_mode=fp8-ash'\\)",
+        ),
+        (
+            ["--taco-mode", "fp8-ash", "--taco-scales", "dual", "--taco-override", "3:mode=fp4"],
+            "--taco-scales dual stores the adaptive scale of the -ash modes, not --taco-mode fp4",
+        ),
+    ],
+)
+def test_overrides_get_the_same_start_up_checks(flags, message):
+    import argparse
+
+    from megatron_taco.config.errors import TacoConfigError
+    from megatron_taco.config.taco import add_taco_args, taco_config_from_args
+
+    with pytest.raises(TacoConfigError, match=message):
+        taco_config_from_args(add_taco_args(argparse.ArgumentParser()).parse_args(flags))

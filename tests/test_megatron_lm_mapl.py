@@ -170,6 +170,7 @@ def _megatron_lm_steps(mapl_flags, steps):
         "codecs": sorted(name for name, _ in model.named_children() if name.startswith("mapl_")),
         "u_moved": [float((c.projection - u0).abs().max()) for c, u0 in zip(codecs, u_start)],
         "u": [c.projection.detach().clone() for c in codecs],
+        "anchors": [c.anchor_basis.detach().float().clone() for c in codecs],
         # what Megatron-LM's checkpoints save of the model: MAPL's state included
         "saved": {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith("mapl_")},
     }
@@ -184,6 +185,7 @@ def test_mapl_in_megatron_lm_sends_r_wide_and_keeps_replicas_identical():
     assert receiver["tokens_on_every_micro_batch"] and sender["tokens_on_every_micro_batch"]
     assert min(sender["u_moved"]) > 1e-4, sender["u_moved"]
     assert torch.equal(sender["u"][0], receiver["u"][0])
+    assert torch.equal(sender["anchors"][0], receiver["anchors"][0])  # Adam on both stages, summed gradients
     saved = {key.split(".", 1)[1] for key in sender["saved"]}
     assert {"projection", "projection_momentum", "anchor_embedding", "anchor_basis"} <= saved, saved
     assert sender["saved"]["mapl_send_0.projection_momentum"].abs().max() > 0
@@ -197,3 +199,26 @@ def test_mapl_at_full_width_trains_like_megatron_lm_without_it():
     assert len(plain) == len(full) == 3
     assert max(abs(a - b) / a for a, b in zip(plain, full)) < 1e-5, (plain, full)
     assert plain[-1] < plain[0]  # it trains
+
+
+def test_mapl_widths_are_checked_against_megatron_lms_interleaved_chunks_at_parse_time():
+    """Megatron-LM sets the chunks per stage after parsing (validate_args): the check counts them itself."""
+    import argparse
+
+    from megatron_taco.config.errors import MaplConfigError
+    from megatron_taco.config.mapl import add_mapl_args
+    from megatron_taco.mapl import megatron_lm
+
+    def configure(*flags):
+        args = add_mapl_args(argparse.ArgumentParser()).parse_args(list(flags))
+        megatron = dict(hidden_size=64, num_layers=8, pipeline_model_parallel_size=2, position_embedding_type="rope")
+        return megatron_lm.configure(
+            argparse.Namespace(**vars(args), **megatron, num_layers_per_virtual_pipeline_stage=1)
+        )
+
+    try:
+        assert configure("--mapl-ranks", "8,8,8,8,8,8,8").ranks == (8,) * 7  # 2 stages x 4 chunks: 7 boundaries
+        with pytest.raises(MaplConfigError, match="--mapl-ranks: 1 values given for 7 pipeline boundaries"):
+            configure("--mapl-ranks", "8")
+    finally:
+        megatron_lm._STATE["cfg"] = None

@@ -326,8 +326,26 @@ ASH_E4M3 = CodecSettings(group_size=128, fmt="e4m3", transform="ash", scales="fp
                 **_expected([4], LINEARS, None, None),
             },
         ),
+        # FP8 forward, INT4 gradients with stochastic rounding
+        (
+            [
+                "--taco-bwd-mode",
+                "int4-ash",
+                "--taco-stochastic-rounding",
+                "--taco-group-size",
+                "32",
+                "--taco-scales",
+                "e8m0",
+            ],
+            _expected(
+                range(1, 5),
+                LINEARS,
+                CodecSettings(32, "e4m3", "ash", "e8m0"),
+                CodecSettings(32, "int4", "ash", "e8m0", rounding="stochastic"),
+            ),
+        ),
     ],
-    ids=["fp8-ash-defaults", "every-flag", "four-bit-forward-fp8-backward"],
+    ids=["fp8-ash-defaults", "every-flag", "four-bit-forward-fp8-backward", "int4-stochastic-gradients"],
 )
 def test_every_linear_gets_exactly_the_codec_the_flags_ask_for(argv, expected):
     """From the trainer's flags to each linear's codec (transform, FP8 format, group size, scales,

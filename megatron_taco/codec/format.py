@@ -1,4 +1,4 @@
-"""Codec settings, FP8 formats and the wire format of one compressed message.
+"""Codec settings, element formats (FP8, FP4 E2M1, INT4) and the wire format of one compressed message.
 
 A message is one contiguous uint8 buffer::
 

@@ -11,7 +11,7 @@ reference (:mod:`megatron_taco.codec.reference`), so they write the same bytes:
   kernels launch with ``enable_fp_fusion=False`` so no multiply is fused
   into an add;
 * the FP8 cast gets values already rounded to the FP8 grid in fp32
-  (``_round_to_fp8_grid``): Triton's CPU interpreter rounds fp32 -> fp8 wrongly
+  (``_round_to_grid``, which also rounds to the FP4 E2M1 grid): Triton's CPU interpreter rounds fp32 -> fp8 wrongly
   (it loses the carry across a binade and truncates subnormals), and a value
   that is already on the grid converts exactly everywhere.
 

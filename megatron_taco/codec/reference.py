@@ -8,7 +8,7 @@ which after log2(G) stages is the Sylvester-ordered H_G), divisions and
 square roots are IEEE-rounded (computed in float64, rounded once to fp32) and
 nothing feeds a multiply into an add.
 
-Per group of G values x (fp32), with M the FP8 maximum (448 for E4M3):
+Per group of G values x (fp32), with M the element format's maximum (448 for E4M3, 6 for E2M1, 7 for INT4):
 
     ASH, scales="dual" (the paper's form):
         s_a = clamp(M / sqrt(sum(x^2)/G + eps), 1e-3, 1e3)    adaptive scale

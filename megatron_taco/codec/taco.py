@@ -1,4 +1,4 @@
-"""``TacoCodec``: the public TACO codec (Adaptive Scale-Hadamard + dual-scale FP8).
+"""``TacoCodec``: the public TACO codec (Adaptive Scale-Hadamard + group-scaled FP8, FP4 E2M1 or INT4).
 
     codec = TacoCodec(group_size=128, fmt="e4m3", transform="ash")
     buf = codec.compress(x)                    # uint8 1-D: the whole wire message
@@ -17,7 +17,6 @@ from typing import Optional, Sequence, Tuple
 import torch
 
 from megatron_taco.codec import reference
-from megatron_taco.codec.reference import uniform_noise
 from megatron_taco.codec.format import (
     SUPPORTED_INPUT_DTYPES,
     CodecSettings,
@@ -49,14 +48,14 @@ class TacoCodec:  # a WireCodec (megatron_taco.codec.interface)
     Args:
         group_size: G in {16, 32, 64, 128, 256}: elements sharing one scale and one Hadamard.
         fmt: "e4m3" (max 448, default) or "e5m2" (max 57344); 4-bit: "e2m1" (FP4, max 6) or "int4" (-7..7).
-        transform: "ash" (adaptive scale + Hadamard) or "none" (per-group FP8 only).
+        transform: "ash" (adaptive scale + Hadamard) or "none" (per-group quantization only).
         scales: "fp32" (one folded scale per group, default), "dual" (the paper's
             s_q and s_a, 8 bytes per group), "e8m0" (one power-of-two byte) or, for the 4-bit formats, "e4m3"
             (one E4M3 byte per group times one fp32 scale per message: NVFP4's layout, with group_size=16).
         backend: "auto" (Triton kernels on CUDA tensors, torch otherwise), "torch", "triton".
         rounding: "nearest" (ties to even) or, for the 4-bit formats, "stochastic" (unbiased: for gradients).
-        seed: stochastic rounding's seed; call k of ``compress_rows`` uses hash32(seed * 2^16 + k) (mod 2^32),
-            the same on both backends, so a run is reproducible.
+        seed: stochastic rounding's seed; call k of ``compress_rows`` uses hash32(hash32(seed) ^ k), the same on
+            both backends: a run started again reproduces (a resumed one draws new noise: the count is not saved).
     """
 
     def __init__(
@@ -138,7 +137,7 @@ class TacoCodec:  # a WireCodec (megatron_taco.codec.interface)
             out = torch.empty(rows.shape[0], nbytes, dtype=torch.uint8, device=rows.device)
         elif out.dtype != torch.uint8 or out.shape != (rows.shape[0], nbytes) or out.stride(1) != 1:
             raise ValueError(f"out must be a uint8 tensor of shape {(rows.shape[0], nbytes)} with unit column stride")
-        call_seed = reference.hash32(((self.seed << 16) + self._calls) & 0xFFFFFFFF)
+        call_seed = reference.hash32(reference.hash32(self.seed & 0xFFFFFFFF) ^ (self._calls & 0xFFFFFFFF))
         self._calls += 1
         if self._use_triton(rows):
             from megatron_taco.codec import kernels
@@ -148,7 +147,11 @@ class TacoCodec:  # a WireCodec (megatron_taco.codec.interface)
         groups, codes_at, scales_at = self.settings.layout(numel)
         header = self._header(numel, rows.device)
         stochastic = self.settings.rounding == "stochastic"
-        noise = uniform_noise(call_seed, rows.shape[0], groups * self.group_size, rows.device) if stochastic else None
+        noise = (
+            reference.uniform_noise(call_seed, rows.shape[0], groups * self.group_size, rows.device)
+            if stochastic
+            else None
+        )
         for r, (row, message) in enumerate(zip(rows, out)):
             padded = torch.zeros(groups * self.group_size, dtype=torch.float32, device=rows.device)
             padded[:numel] = row

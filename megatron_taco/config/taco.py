@@ -184,7 +184,9 @@ def _parse_override(text: str, base: LinearSettings) -> Tuple[Tuple[Tuple[int, i
         if key not in _OVERRIDE_KEYS:
             raise TacoConfigError(f"{flag}: unknown key {key!r} in {text!r}; keys: {', '.join(_OVERRIDE_KEYS)}")
         changes[key] = _OVERRIDE_KEYS[key](value, f"{flag} {key}")
-    return ranges, dataclasses.replace(base, **changes)
+    settings = dataclasses.replace(base, **changes)
+    _check_combinations(settings, f" (in {flag} {text!r})")
+    return ranges, settings
 
 
 def add_taco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -269,6 +271,27 @@ def check_backend_runs_here(backend: str) -> None:
         )
 
 
+def _check_combinations(settings: LinearSettings, context: str = "") -> None:
+    """Refuse mode / scale / rounding combinations no codec implements (``context``: where they came from)."""
+    if settings.stochastic_bwd and settings.element_format_for("bwd") not in _FOUR_BIT_FORMATS.values():
+        raise TacoConfigError(
+            "--taco-stochastic-rounding needs a 4-bit gradient mode (fp4, fp4-ash, int4, int4-ash as --taco-mode or "
+            f"--taco-bwd-mode); the gradient traffic's mode is {settings.mode_for('bwd')}{context}"
+        )
+    for direction, flag in (("fwd", "--taco-mode"), ("bwd", "--taco-bwd-mode")):
+        mode = settings.mode_for(direction)
+        if settings.scales == "e4m3" and mode != "none" and settings.element_format_for(direction) in FORMATS:
+            raise TacoConfigError(
+                f"--taco-scales e4m3 (E4M3 group scales times a message scale, NVFP4's layout) is for the 4-bit "
+                f"modes, not {flag} {mode}; use fp32, dual or e8m0 with FP8{context}"
+            )
+        if settings.scales == "dual" and mode != "none" and settings.transform_for(direction) != "ash":
+            raise TacoConfigError(
+                f"--taco-scales dual stores the adaptive scale of the -ash modes, not {flag} {mode}; use fp32 or "
+                f"e8m0{context}"
+            )
+
+
 def taco_config_from_args(args: argparse.Namespace) -> TacoConfig:
     """Validate the parsed --taco-* flags into a :class:`TacoConfig`."""
     default = LinearSettings(
@@ -283,22 +306,7 @@ def taco_config_from_args(args: argparse.Namespace) -> TacoConfig:
         fmt=_choice(args.taco_fp8_format, FORMATS, "--taco-fp8-format"),
         scales=_choice(args.taco_scales, SCALES, "--taco-scales"),
     )
-    if default.stochastic_bwd and default.element_format_for("bwd") not in _FOUR_BIT_FORMATS.values():
-        raise TacoConfigError(
-            "--taco-stochastic-rounding needs a 4-bit gradient mode (fp4, fp4-ash, int4, int4-ash as --taco-mode or "
-            f"--taco-bwd-mode); the gradient traffic's mode is {default.mode_for('bwd')}"
-        )
-    for direction, flag in (("fwd", "--taco-mode"), ("bwd", "--taco-bwd-mode")):
-        mode = default.mode_for(direction)
-        if default.scales == "e4m3" and mode != "none" and default.element_format_for(direction) in FORMATS:
-            raise TacoConfigError(
-                f"--taco-scales e4m3 (E4M3 group scales times a message scale, NVFP4's layout) is for the 4-bit "
-                f"modes, not {flag} {mode}; use fp32, dual or e8m0 with FP8"
-            )
-        if default.scales == "dual" and mode != "none" and default.transform_for(direction) != "ash":
-            raise TacoConfigError(
-                f"--taco-scales dual stores the adaptive scale of the -ash modes, not {flag} {mode}; use fp32 or e8m0"
-            )
+    _check_combinations(default)
     overrides: List = [_parse_override(text, default) for text in args.taco_override]
     min_bytes = (
         None if str(args.taco_min_bytes).strip() == "auto" else parse_bytes(args.taco_min_bytes, "--taco-min-bytes")

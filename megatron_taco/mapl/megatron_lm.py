@@ -41,9 +41,7 @@ def configure(args: argparse.Namespace) -> Optional[MaplConfig]:
     _STATE["cfg"] = cfg
     if cfg is None:
         return None
-    cfg.wire_ranks(
-        args.hidden_size, args.pipeline_model_parallel_size, getattr(args, "virtual_pipeline_model_parallel_size", None)
-    )
+    cfg.wire_ranks(args.hidden_size, args.pipeline_model_parallel_size, _model_chunks(args))
     cfg.anchors_positions(args.position_embedding_type)
     if getattr(args, "context_parallel_size", 1) > 1:
         raise MaplConfigError(
@@ -56,6 +54,18 @@ def configure(args: argparse.Namespace) -> Optional[MaplConfig]:
             "stage's hidden states in ways MAPL does not cover; drop one"
         )
     return cfg
+
+
+def _model_chunks(args: argparse.Namespace) -> Optional[int]:
+    """Chunks per pipeline stage as Megatron-LM's ``validate_args`` will set them (it runs after this check)."""
+    if getattr(args, "virtual_pipeline_model_parallel_size", None):
+        return args.virtual_pipeline_model_parallel_size
+    if getattr(args, "num_virtual_stages_per_pipeline_rank", None):
+        return args.num_virtual_stages_per_pipeline_rank
+    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
+    if per_stage:
+        return args.num_layers // args.pipeline_model_parallel_size // per_stage
+    return None
 
 
 def attach(model: Any) -> Optional[str]:

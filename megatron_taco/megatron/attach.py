@@ -11,6 +11,7 @@ TE's fused-ops MLP, other linear types) keep running stock, and :class:`Attached
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Dict, Iterable, List, Optional
 
 import torch
@@ -79,6 +80,9 @@ def _uncovered(layer: torch.nn.Module) -> Dict[str, str]:
     return parts
 
 
+_CODEC_SERIAL = itertools.count()  # codecs made by this process, for their stochastic-rounding seeds
+
+
 def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> Attached:
     """Configure every transformer layer's linears; return what was compressed and what runs stock."""
     compressed: Dict[str, List[int]] = {name: [] for name in LINEARS}
@@ -100,7 +104,9 @@ def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> 
                     scales=settings.scales,
                     backend=config.backend,
                     rounding=rounding,
-                    seed=dist.get_rank() if dist.is_initialized() else 0,  # each rank its own noise
+                    # stochastic rounding's noise: each rank and each codec its own (codecs are made in the same
+                    # order on every start, so a run started again draws the same)
+                    seed=(dist.get_rank() if dist.is_initialized() else 0) * 4096 + next(_CODEC_SERIAL),
                 )
             return codecs[key]
 

@@ -13,6 +13,7 @@ for the end-of-run summary (:meth:`TacoTelemetry.start_run` clears that too).
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 from typing import Dict, List, Optional, Tuple
 
@@ -72,7 +73,8 @@ class TacoTelemetry:
             interval = self.error_sample_interval
             if interval and rec.compressed_calls % interval == 1 % interval:
                 with torch.no_grad():
-                    decoded = codec.decompress(codec.compress(payload), payload.shape, torch.float32, validate=False)
+                    probe = copy.copy(codec)  # its own call count: sampling must not move stochastic rounding's noise
+                    decoded = probe.decompress(probe.compress(payload), payload.shape, torch.float32, validate=False)
                     ref = payload.float()
                     rec.error_sum += float((decoded - ref).norm() / ref.norm().clamp_min(1e-30))
                 rec.error_samples += 1

@@ -74,6 +74,9 @@ def load_checkpoint(trainer: Trainer, root: str) -> int:
     if step is None:
         raise FileNotFoundError(f"--load {root}: no checkpoint (missing {os.path.join(root, 'latest')})")
     file = os.path.join(_iteration_dir(root, step), f"rank_{dist.get_rank():05d}.pt")
+    if not os.path.exists(file):  # saved by fewer ranks
+        saved = len([name for name in os.listdir(_iteration_dir(root, step)) if name.startswith("rank_")])
+        raise ValueError(f"--load {root}: saved with world size {saved}, now {dist.get_world_size()}")
     state = torch.load(file, map_location=trainer.device, weights_only=False)
     if state["world_size"] != dist.get_world_size():
         raise ValueError(f"--load {root}: saved with world size {state['world_size']}, now {dist.get_world_size()}")
