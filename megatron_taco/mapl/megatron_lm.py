@@ -135,10 +135,12 @@ def _follow_steps(optimizer: Any, sync: Any, base_lr: float) -> None:
     @functools.wraps(step)
     def step_with_mapl(*args, **kwargs):
         loss_scale = optimizer.get_loss_scale().clone()  # U's gradient carries this backward's loss scale
-        lr = optimizer.param_groups[0]["lr"]
+        # the schedule's factor now: a group's lr over its own peak (decoupled or scaled groups have other peaks)
+        group = optimizer.param_groups[0]
+        lr_scale = group["lr"] / group.get("max_lr", base_lr)
         updated, grad_norm, zeros = step(*args, **kwargs)
         if updated:
-            sync.manifold_step(lr_scale=lr / base_lr, loss_scale=loss_scale)
+            sync.manifold_step(lr_scale=lr_scale, loss_scale=loss_scale)
         else:
             sync.drop_grads()
         sync.codebook_step()
