@@ -20,7 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from typing import List
+from typing import List, Optional
 
 from benchmarks.provenance import project_commit
 
@@ -154,7 +154,32 @@ def _port() -> int:
         return sock.getsockname()[1]
 
 
-def run_case(case: Case) -> dict:
+# with --megatron-lm: Megatron-LM's own pretrain_gpt.py in place of the stand-in (the errors come at parse time,
+# before anything needs a GPU)
+MEGATRON_LM_MODEL = [
+    "--num-layers",
+    "3",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "32",
+    "--max-position-embeddings",
+    "32",
+    "--micro-batch-size",
+    "1",
+    "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
+    "--vocab-size",
+    "128",
+    "--train-iters",
+    "2",
+]
+
+
+def run_case(case: Case, megatron_lm: Optional[str] = None) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         for name, text in case.files:
             with open(os.path.join(scratch, name), "w") as f:
@@ -169,6 +194,10 @@ def run_case(case: Case) -> dict:
         env.pop("TRITON_INTERPRET", None)  # a user's shell: no interpreter for Triton
         if case.entry == "trainer":
             cmd = ["bash", RUN_SH, *case.argv]
+        elif case.entry == "launcher" and megatron_lm:
+            script = os.path.join(os.path.abspath(megatron_lm), "pretrain_gpt.py")
+            cmd = [sys.executable, "-m", "megatron_taco.launch", script, *MEGATRON_LM_MODEL, *case.argv]
+            env["PYTHONPATH"] = ROOT
         elif case.entry == "launcher":
             cmd = [
                 sys.executable,
@@ -205,21 +234,28 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "bad_inputs.md"))
     parser.add_argument("--only", help="run the cases whose description contains this")
+    parser.add_argument("--megatron-lm", help="a Megatron-LM checkout: launcher cases run its pretrain_gpt.py")
     args = parser.parse_args()
     cases = [c for c in _cases() if not args.only or args.only in c.what]
     results = []
     for case in cases:
-        results.append(run_case(case))
+        results.append(run_case(case, args.megatron_lm))
         r = results[-1]
         print(f"{'ok  ' if r['ok'] else 'FAIL'} rc={r['rc']} {r['what']}: {r['line']}", flush=True)
     passed = sum(r["ok"] for r in results)
     out = [
         "# Bad inputs: one line each",
         "",
-        f"Written by `python -m benchmarks.bad_inputs` on {datetime.date.today()}; commit {project_commit()}; CPU "
+        f"Written by `python -m benchmarks.bad_inputs {' '.join(sys.argv[1:])}` on {datetime.date.today()}; "
+        f"commit {project_commit()}; CPU "
         f"({os.cpu_count()} cores), Python {sys.version.split()[0]}. Each case runs as a user would, from an empty "
         "folder: the trainer through `scripts/run.sh` (2 ranks for the TP=2 configs), the Megatron-LM launcher "
-        "on the stand-in script that calls Megatron-LM's parser and model builder, `scripts/apply_patch.sh`. "
+        + (
+            f"on Megatron-LM's own `pretrain_gpt.py` ({args.megatron_lm}), "
+            if args.megatron_lm
+            else "on the stand-in script that calls Megatron-LM's parser and model builder, "
+        )
+        + "`scripts/apply_patch.sh`. "
         "Passes: non-zero exit, exactly one line on stderr (`error: ...`), no traceback anywhere.",
         "",
         f"**{passed} of {len(results)} cases pass.**",
