@@ -320,3 +320,20 @@ def test_overrides_get_the_same_start_up_checks(flags, message):
 
     with pytest.raises(TacoConfigError, match=message):
         taco_config_from_args(add_taco_args(argparse.ArgumentParser()).parse_args(flags))
+
+
+def test_telemetry_error_samples_do_not_move_the_stochastic_rounding_noise():
+    """Sampling the codec's error re-encodes a message; the messages training sends must not change with it."""
+    from megatron_taco.megatron.telemetry import TacoTelemetry
+
+    x = torch.randn(256)
+    settings = dict(group_size=32, fmt="int4", rounding="stochastic", seed=3, backend="torch")
+    unsampled, sampled = TacoCodec(**settings), TacoCodec(**settings)
+    telemetry = TacoTelemetry()
+    telemetry.error_sample_interval = 1  # every message sampled
+    sent = []
+    for _ in range(3):
+        sent.append(sampled.compress(x))
+        telemetry.record(("layer 1 fc1", "all_gather", "bwd"), x, sampled, compressed=True)
+    assert all(torch.equal(m, unsampled.compress(x)) for m in sent)
+    assert telemetry.records[("layer 1 fc1", "all_gather", "bwd")].error_samples == 3

@@ -272,3 +272,24 @@ def test_synthetic_batches_follow_the_markov_chain_definition(vocab, seq, batch,
         expected = torch.stack(tokens, dim=1)
         assert torch.equal(got["tokens"], expected[:, :-1]) and torch.equal(got["labels"], expected[:, 1:])
         assert torch.equal(got["position_ids"], torch.arange(seq).expand(batch, -1))
+
+
+def _load_a_checkpoint_of_one_rank(root):
+    from types import SimpleNamespace
+
+    from megatron_taco.training.checkpoint import load_checkpoint
+
+    try:  # fails on the layout before the trainer's model is touched
+        load_checkpoint(trainer=SimpleNamespace(device=torch.device("cpu")), root=root)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_load_of_a_smaller_world_is_one_line_on_every_rank(tmp_path):
+    """Saved by 1 rank, loaded by 2: rank 0 reads its file and sees the world size; rank 1 has no file at all."""
+    os.makedirs(tmp_path / "iter_0000002")
+    torch.save({"world_size": 1}, tmp_path / "iter_0000002" / "rank_00000.pt")
+    (tmp_path / "latest").write_text("2")
+    messages = run_distributed(_load_a_checkpoint_of_one_rank, 2, str(tmp_path), timeout=60)
+    assert messages == [f"--load {tmp_path}: saved with world size 1, now 2"] * 2
