@@ -1,0 +1,279 @@
+"""Break the code once, see the tests fail: each mutation is applied to a file, the tests that guard it run,
+the file is restored. Writes benchmarks/results/mutations.md.
+
+    python -m benchmarks.mutations [--out benchmarks/results/mutations.md]
+
+Run from the repository root with the test environment (``.venv-mcore-0.19.2``, CPU; about 3 minutes). A row passes
+when at least one test fails under its mutation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import subprocess
+import sys
+
+from .provenance import project_commit
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCALE_BIAS = [  # the codec's stored scale 0.39% too large, in the reference and in the kernel alike
+    (
+        "megatron_taco/codec/reference.py",
+        "        s_q = torch.where(nonfinite, nan, s_q)\n",
+        "        s_q = torch.where(nonfinite, nan, s_q) * 1.0039\n",
+    ),
+    (
+        "megatron_taco/codec/kernels.py",
+        '        s_q = tl.where(nonfinite, float("nan"), s_q)\n',
+        '        s_q = tl.where(nonfinite, float("nan"), s_q) * 1.0039\n',
+    ),
+]
+
+MUTATIONS = [  # (what, file, text, replaced by, tests, -k) or file None: SCALE_BIAS
+    (
+        "4-bit nibbles packed high/low swapped (kernel)",
+        "megatron_taco/codec/kernels.py",
+        "(low | (high << 4)).to(tl.uint8)",
+        "(high | (low << 4)).to(tl.uint8)",
+        "tests/test_codec_4bit.py",
+        "",
+    ),
+    (
+        "E2M1 0.5 coded as 0 (reference)",
+        "megatron_taco/codec/reference.py",
+        "torch.where(magnitude == 0.5, torch.ones_like(bits), torch.zeros_like(bits)),",
+        "torch.zeros_like(bits),",
+        "tests/test_codec_4bit.py",
+        "",
+    ),
+    (
+        "INT4 ties rounded half-up, not to even (reference)",
+        "megatron_taco/codec/reference.py",
+        "    return (v + shifter) - shifter",
+        "    return torch.floor(v + 0.5)",
+        "tests/test_codec_4bit.py",
+        "",
+    ),
+    (
+        "stochastic rounding's noise fixed at 0.5 (reference)",
+        "megatron_taco/codec/reference.py",
+        "_stochastic_magnitude(q.abs(), noise, fmt)",
+        "_stochastic_magnitude(q.abs(), noise * 0 + 0.5, fmt)",
+        "tests/test_codec_4bit.py",
+        "",
+    ),
+    (
+        "noise hash constant off by one (kernel)",
+        "megatron_taco/codec/kernels.py",
+        "    x = (x * 0x846CA68B) & 0xFFFFFFFF",
+        "    x = (x * 0x846CA68A) & 0xFFFFFFFF",
+        "tests/test_codec_4bit.py",
+        "",
+    ),
+    (
+        "e4m3 message scale over M x 440 (kernel)",
+        "megatron_taco/codec/kernels.py",
+        "FP8_MAX * 448.0",
+        "FP8_MAX * 440.0",
+        "tests/test_codec_4bit.py",
+        "",
+    ),
+    (
+        "overrides skip the start-up checks",
+        "megatron_taco/config/taco.py",
+        '    _check_combinations(settings, f" (in {flag} {text!r})")\n',
+        "",
+        "tests/test_codec_4bit.py",
+        "",
+    ),
+    (
+        "layers outside --taco-layers keep their gradient mode",
+        "megatron_taco/config/taco.py",
+        'mode="none", bwd_mode=None)',
+        'mode="none")',
+        "tests/test_taco_megatron.py",
+        "every_linear",
+    ),
+    (
+        "--taco-stochastic-rounding not passed to the gradient codecs",
+        "megatron_taco/megatron/attach.py",
+        "rounding=rounding,",
+        'rounding="nearest",',
+        "tests/test_taco_megatron.py",
+        "every_linear",
+    ),
+    (
+        "MAPL gradient sums not run after finalize_model_grads",
+        "megatron_taco/mapl/megatron_lm.py",
+        '            _STATE["sync"].finalize_grads()',
+        "            pass",
+        "tests/test_megatron_lm_mapl.py",
+        "",
+    ),
+    (
+        "tokens not handed to every stage",
+        "megatron_taco/mapl/megatron_lm.py",
+        '            bound.arguments["mtp_on_this_rank"] = True',
+        "            pass",
+        "tests/test_megatron_lm_mapl.py",
+        "",
+    ),
+    (
+        "start_mapl not run before the optimizer",
+        "megatron_taco/mapl/megatron_lm.py",
+        'if cfg is not None and _STATE["sync"] is None:',
+        "if False:",
+        "tests/test_megatron_lm_mapl.py",
+        "",
+    ),
+    (
+        "schedule sees d-wide buffers",
+        "megatron_taco/mapl/megatron_lm.py",
+        "            views, extra = schedule_inputs(chunks, cfg)",
+        "            views, extra = chunks, {}",
+        "tests/test_megatron_lm_mapl.py",
+        "",
+    ),
+    (
+        "interleaved chunks not counted at parse time",
+        "megatron_taco/mapl/megatron_lm.py",
+        "def _model_chunks(args: argparse.Namespace) -> Optional[int]:\n",
+        "def _model_chunks(args: argparse.Namespace) -> Optional[int]:\n    return None\n",
+        "tests/test_megatron_lm_mapl.py",
+        "",
+    ),
+    (
+        "U's momentum not a checkpointed buffer",
+        "megatron_taco/mapl/boundary.py",
+        '            self.register_buffer("projection_momentum", torch.zeros_like(projection, requires_grad=False))',
+        "            self.projection_momentum = torch.zeros_like(projection, requires_grad=False)",
+        "tests/test_megatron_lm_mapl.py",
+        "",
+    ),
+    (
+        "launcher argparse errors print argparse's usage block",
+        "megatron_taco/launch.py",
+        "        with _one_line_parse_errors():\n            args = original_parse(",
+        "        with contextlib.nullcontext():\n            args = original_parse(",
+        "tests/test_launch.py",
+        "rejects_bad_flags",
+    ),
+    (
+        "telemetry's error samples share the codec's call count",
+        "megatron_taco/megatron/telemetry.py",
+        "probe = copy.copy(codec)",
+        "probe = codec",
+        "tests/test_codec_4bit.py",
+        "telemetry",
+    ),
+    (
+        "--load from a smaller world: no check for this rank's file",
+        "megatron_taco/training/checkpoint.py",
+        "    if not os.path.exists(file):",
+        "    if False:",
+        "tests/test_entry_points.py",
+        "smaller_world",
+    ),
+    (
+        "--load of another layout: no layout check",
+        "megatron_taco/training/checkpoint.py",
+        '    if "layout" in state and state["layout"] != _layout(trainer):',
+        "    if False:",
+        "tests/test_entry_points.py",
+        "pp2_with_mapl",
+    ),
+    (
+        "--data checked only when read",
+        "megatron_taco/training/cli.py",
+        '    if args.data != "synthetic":\n',
+        "    if False:\n",
+        "tests/test_cli_errors.py",
+        "",
+    ),
+    (
+        "--taco-layers checked only at model build",
+        "megatron_taco/training/loop.py",
+        "            self.taco.check_layers(self.shape.num_layers)",
+        "            pass",
+        "tests/test_cli_errors.py",
+        "",
+    ),
+    (
+        "a module without __all__",
+        "megatron_taco/mapl/wire.py",
+        '__all__ = ["IndexWireCommunicator"]\n',
+        "",
+        "tests/test_style.py",
+        "",
+    ),
+    (
+        "codec scale 0.39% too large (reference and kernel)",
+        None,
+        None,
+        None,
+        "tests/test_codec.py tests/test_kernels.py tests/test_codec_4bit.py",
+        "",
+    ),
+]
+
+
+def run(mutation) -> str:
+    """The last line of pytest's summary for the tests under this mutation."""
+    what, path, text, replacement, tests, select = mutation
+    edits = [(path, text, replacement)] if path else SCALE_BIAS
+    saved = {}
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    try:
+        for file, old, new in edits:
+            source = open(os.path.join(ROOT, file)).read()
+            if old not in source:
+                raise SystemExit(f"error: mutation {what!r}: {file} no longer holds the text it changes")
+            saved[file] = source
+            with open(os.path.join(ROOT, file), "w") as f:
+                f.write(source.replace(old, new, 1))
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *tests.split()]
+        cmd += ["-k", select] if select else []
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+        return done.stdout.strip().splitlines()[-1]
+    finally:
+        for file, source in saved.items():
+            with open(os.path.join(ROOT, file), "w") as f:
+                f.write(source)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "mutations.md"))
+    args = parser.parse_args()
+    commit = project_commit()
+    rows = []
+    for mutation in MUTATIONS:
+        summary = run(mutation)
+        rows.append((mutation, summary))
+        print(f"{mutation[0]}: {summary}", flush=True)
+    caught = sum(" failed" in summary for _, summary in rows)
+    out = [
+        "# Mutations: the tests fail when the code they guard is broken",
+        "",
+        f"Written by `python -m benchmarks.mutations` on {datetime.date.today()}; commit {commit}; CPU, "
+        f"Python {sys.version.split()[0]}. Each row changes one piece of the code, runs the tests that guard it "
+        "and restores the file.",
+        "",
+        f"**{caught} of {len(rows)} mutations make tests fail.**",
+        "",
+        "| mutation | file | tests | pytest says | caught |",
+        "|---|---|---|---|---|",
+    ]
+    for (what, path, _, _, tests, select), summary in rows:
+        where = path or "codec/reference.py + codec/kernels.py"
+        tests = tests + (f" -k {select}" if select else "")
+        out.append(f"| {what} | `{where}` | `{tests}` | {summary} | {'yes' if ' failed' in summary else '**no**'} |")
+    with open(args.out, "w") as f:
+        f.write("\n".join(out) + "\n")
+    print(f"{caught} of {len(rows)} caught; wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
