@@ -45,7 +45,7 @@ from megatron_taco.testing.distributed import LINK_REGIMES, run_distributed
 from megatron_taco.testing.profiling import codec_operators
 from megatron_taco.training.data import byte_text_batches, stdlib_text_files, synthetic_batches
 from megatron_taco.training.loop import TrainConfig, Trainer
-from megatron_taco.training.model import ModelShape
+from megatron_taco.training.model import QWEN_ARCHITECTURE, ModelShape
 
 from .provenance import project_commit
 
@@ -61,13 +61,7 @@ THROUGHPUT_MODELS = {
         ffn_hidden_size=18944,
         vocab_size=32000,
         seq_length=2048,
-        normalization="RMSNorm",
-        activation="swiglu",
-        position_embedding="rope",
-        rotary_base=1000000,
-        add_bias_linear=False,
-        add_qkv_bias=True,
-        norm_epsilon=1e-6,
+        **QWEN_ARCHITECTURE,
     ),
 }
 # the loss study trains the same models on byte-level text: only the vocabulary differs

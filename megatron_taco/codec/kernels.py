@@ -34,7 +34,6 @@ from megatron_taco.codec.format import NAN_CODE, CodecSettings, header_words
 __all__ = ["LAUNCH_CONFIG", "compress_rows", "decompress_rows"]
 
 _SCALE_MODE_IDS = {"fp32": 0, "dual": 1, "e8m0": 2, "e4m3": 3}
-_CODE_KINDS = {"e4m3": 0, "e5m2": 1, "e2m1": 2, "int4": 3}
 # GPU launch shape: elements per program (BLOCK_G = tile // G) and warps, per kernel.
 # Chosen from the sweep in benchmarks/kernels.py (see benchmarks/results/kernels.md).
 LAUNCH_CONFIG = {"compress": (2048, 2), "decompress_sum": (1024, 2)}
@@ -425,7 +424,7 @@ def _common(settings: CodecSettings, kernel: str, launch: Tuple[int, int]) -> di
         BLOCK_G=max(1, launch[0] // g),
         ASH=settings.transform == "ash",
         SCALE_MODE=_SCALE_MODE_IDS[settings.scales],
-        CODE_KIND=_CODE_KINDS[settings.fmt],
+        CODE_KIND=settings.format.code_id,  # 0: E4M3, 1: E5M2, 2: E2M1, 3: INT4 (the wire's format id)
         INV_SQRT_G=reference.inv_sqrt_group(g),
     )
 

@@ -1,6 +1,6 @@
 """Tiny model shapes for tests and CPU studies (seconds per step on one core)."""
 
-from megatron_taco.training.model import ModelShape
+from megatron_taco.training.model import QWEN_ARCHITECTURE, ModelShape
 
 __all__ = ["TINY_GPT", "TINY_QWEN"]
 
@@ -21,11 +21,5 @@ TINY_QWEN = ModelShape(
     ffn_hidden_size=128,
     vocab_size=200,
     seq_length=32,
-    normalization="RMSNorm",
-    activation="swiglu",
-    position_embedding="rope",
-    rotary_base=1000000,
-    add_bias_linear=False,
-    add_qkv_bias=True,
-    norm_epsilon=1e-6,
+    **QWEN_ARCHITECTURE,
 )

@@ -24,9 +24,21 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_taco.config.errors import TrainConfigError
 from megatron_taco.megatron.specs import decoder_block_spec, transformer_layer_spec
 
-__all__ = ["ModelShape", "make_transformer_config", "build_gpt_model"]
+__all__ = ["QWEN_ARCHITECTURE", "ModelShape", "make_transformer_config", "build_gpt_model"]
 
 _ACTIVATIONS = {"gelu": (F.gelu, False), "swiglu": (F.silu, True)}
+
+
+# What makes a model Qwen-style (Qwen2 / 2.5): the fields a ModelShape sets beyond the sizes
+QWEN_ARCHITECTURE = dict(
+    normalization="RMSNorm",
+    activation="swiglu",
+    position_embedding="rope",
+    rotary_base=1000000,
+    add_bias_linear=False,
+    add_qkv_bias=True,
+    norm_epsilon=1e-6,
+)
 
 
 @dataclasses.dataclass(frozen=True)
