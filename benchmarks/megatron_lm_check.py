@@ -300,6 +300,7 @@ def command(row: Row, checkout: str, port: int) -> List[str]:
 
 _ITER_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration \(ms\): ([\d.]+)")
 _LOSS = re.compile(r"lm loss: ([\d.E+-]+)")
+_ITER_LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([\d.E+-]+)")
 
 
 WARMUP_ITERS = 5  # Megatron-LM's logs at iterations 1 and 5 include start-up work (allocator, NCCL, autotuning)
@@ -325,6 +326,7 @@ def parse_log(text: str) -> Dict:
         "intervals": intervals,
         "ms_per_iter": steady_ms_per_iter(intervals),
         "final_loss": float(losses[-1]) if losses else None,
+        "losses": [[int(it), float(loss)] for it, loss in _ITER_LOSS.findall(text)],
         "telemetry": last("taco total:"),
         "attached": last("megatron_taco: TACO"),
         "mapl_attached": last("megatron_taco: MAPL"),
