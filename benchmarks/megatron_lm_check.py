@@ -299,7 +299,6 @@ def command(row: Row, checkout: str, port: int) -> List[str]:
 
 
 _ITER_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration \(ms\): ([\d.]+)")
-_LOSS = re.compile(r"lm loss: ([\d.E+-]+)")
 _ITER_LOSS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([\d.E+-]+)")
 
 
@@ -315,7 +314,7 @@ def steady_ms_per_iter(intervals: List[List[float]]) -> Optional[float]:
 def parse_log(text: str) -> Dict:
     """What a Megatron-LM log says: per-interval ms/iter, final loss, TACO's start-up and telemetry lines."""
     intervals = [[int(it), float(ms)] for it, ms in _ITER_MS.findall(text)]
-    losses = _LOSS.findall(text)
+    losses = [[int(it), float(loss)] for it, loss in _ITER_LOSS.findall(text)]
     lines = text.splitlines()
 
     def last(prefix):
@@ -325,8 +324,8 @@ def parse_log(text: str) -> Dict:
     return {
         "intervals": intervals,
         "ms_per_iter": steady_ms_per_iter(intervals),
-        "final_loss": float(losses[-1]) if losses else None,
-        "losses": [[int(it), float(loss)] for it, loss in _ITER_LOSS.findall(text)],
+        "final_loss": losses[-1][1] if losses else None,
+        "losses": losses,
         "telemetry": last("taco total:"),
         "attached": last("megatron_taco: TACO"),
         "mapl_attached": last("megatron_taco: MAPL"),
