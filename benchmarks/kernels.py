@@ -103,7 +103,7 @@ def main() -> None:
 
 def _sweep_launch_configs(codec: TacoCodec) -> list:
     """Time each kernel at 256 MiB (bf16 and fp32) for several tiles and warp counts; keep the best."""
-    configs = [(tile, warps) for tile in (1024, 2048, 4096, 8192) for warps in (2, 4, 8)]
+    configs = [(tile, warps) for tile in (512, 1024, 2048, 4096) for warps in (1, 2, 4, 8)]
     inputs = {
         dtype: torch.randn(256 * MIB // torch.empty((), dtype=dtype).element_size(), device="cuda", dtype=dtype)
         for dtype in (torch.bfloat16, torch.float32)
