@@ -45,17 +45,19 @@ def main() -> None:
     parser.add_argument("--transform", default="ash", help="ash or none")
     parser.add_argument("--scales", default="fp32", help="fp32, dual or e8m0")
     parser.add_argument("--group-size", type=int, default=128)
+    parser.add_argument("--backend", default="triton", help="triton, or te (Transformer Engine's cast)")
+    parser.add_argument("--no-sweep", action="store_true", help="keep the shipped launch configs")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "benchmarks/kernels.py needs a CUDA GPU"
     torch.manual_seed(0)
-    codec = TacoCodec(args.group_size, args.fmt, args.transform, args.scales, backend="triton")
+    codec = TacoCodec(args.group_size, args.fmt, args.transform, args.scales, backend=args.backend)
     settings = codec.settings
 
     def reference_compress(x):
         groups = x.numel() // settings.group_size
         return reference.encode_groups(x.float().view(groups, settings.group_size), settings)
 
-    sweep = _sweep_launch_configs(codec)
+    sweep = [] if args.no_sweep else _sweep_launch_configs(codec)
     compiled_compress = torch.compile(reference_compress)
     rows = []
     for dtype in (torch.bfloat16, torch.float32):
@@ -98,7 +100,7 @@ def main() -> None:
             print(row, flush=True)
             x = buf = copy_out = None  # freed before the next size
             torch.cuda.empty_cache()
-    _write(args, rows, sweep, codec.settings.describe())
+    _write(args, rows, sweep, f"{codec.settings.describe()}, backend {args.backend}")
 
 
 def _sweep_launch_configs(codec: TacoCodec) -> list:
@@ -136,7 +138,8 @@ def _write(args, rows, sweep, codec_description: str) -> None:
         "# TACO kernel bandwidth",
         "",
         f"- Command: `python -m benchmarks.kernels --out {args.out} --fmt {args.fmt} --transform {args.transform} "
-        f"--scales {args.scales} --group-size {args.group_size}`",
+        f"--scales {args.scales} --group-size {args.group_size} --backend {args.backend}"
+        f"{' --no-sweep' if args.no_sweep else ''} --sizes-mib {args.sizes_mib} --compare-sizes-mib {args.compare_sizes_mib}`",
         f"- Commit: {project_commit()}",
         f"- Date: {datetime.date.today().isoformat()}; GPU: {props.name} ({props.multi_processor_count} SMs); "
         f"torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}",

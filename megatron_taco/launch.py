@@ -33,7 +33,8 @@ from typing import Callable, Iterator, List, Optional
 
 from megatron_taco.config.errors import ConfigError
 from megatron_taco.config.mapl import add_mapl_args
-from megatron_taco.config.taco import TacoConfigError, add_taco_args, taco_config_from_args
+from megatron_taco.codec.taco import describe_backend
+from megatron_taco.config.taco import TacoConfigError, add_taco_args, check_backend_runs_here, taco_config_from_args
 from megatron_taco.mapl import megatron_lm as mapl_hooks
 
 __all__ = ["check_megatron_args", "install_hooks", "log_telemetry", "use_checkout_of", "main"]
@@ -90,6 +91,7 @@ def check_megatron_args(args: argparse.Namespace):
     if not cfg.enabled:
         return cfg
     cfg.check_layers(args.num_layers)
+    check_backend_runs_here(cfg.backend)
     if getattr(args, "tp_comm_overlap", False):
         raise TacoConfigError(
             f"--taco-mode {args.taco_mode} with --tp-comm-overlap: Transformer Engine's "
@@ -154,6 +156,7 @@ def _patch_model_build() -> None:
     @functools.wraps(original_init)
     def init(self, *args, **kwargs):
         original_init(self, *args, **kwargs)
+        import torch
         from megatron.core import parallel_state
 
         cfg = _STATE["taco"]
@@ -167,7 +170,8 @@ def _patch_model_build() -> None:
                 if first_of_stage:
                     print(
                         f"megatron_taco: TACO {cfg.default.describe_modes()} ({getattr(self.config, 'transformer_impl', 'local')} "
-                        f"linears, {stage}): {attached.describe()}",
+                        f"linears, {stage}): {attached.describe()}; codec "
+                        f"{describe_backend(cfg.backend, torch.cuda.is_available())}",
                         flush=True,
                     )
             boundaries = mapl_hooks.attach(self)

@@ -12,7 +12,8 @@ decoding garbage::
     byte  4     wire-format version
     byte  5     transform (low nibble) | element format (high nibble)
     byte  6     log2(group size) (low nibble) | rounding (high nibble: 0 nearest, 1 stochastic)
-    byte  7     scale storage
+    byte  7     scale storage (low nibble) | encoder (high nibble: 0 TACO's kernels or reference, 1 Transformer
+                Engine's cast; informational: every decoder reads both, so it is not part of the settings)
     bytes 8-15  element count, little-endian uint64
 
 Codes are FP8 bit patterns, one byte per element, or 4-bit codes (FP4 E2M1 bit
@@ -44,6 +45,7 @@ __all__ = [
     "GROUP_SIZES",
     "SUPPORTED_INPUT_DTYPES",
     "NAN_CODE",
+    "ENCODERS",
     "CodecSettings",
     "describe_settings_bytes",
     "WireFormatError",
@@ -88,6 +90,9 @@ GROUP_SIZES = (16, 32, 64, 128, 256)
 # below, in grid steps, so the expected decode is the input (for gradient traffic)
 ROUNDINGS = {"nearest": 0, "stochastic": 1}
 SUPPORTED_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# who wrote a message's codes and scales (header byte 7, high nibble); TE's block quantizer writes the same
+# codes as TACO's kernels and a scale within one fp32 ulp (codec/te_cast.py), so decoders accept either
+ENCODERS = {"taco": 0, "te": 1}
 NAN_CODE = 0x7F  # a NaN bit pattern in both E4M3 (fn) and E5M2 (4-bit codes have none: the scale carries NaN)
 
 
@@ -166,7 +171,8 @@ class CodecSettings:
 
 
 def describe_settings_bytes(raw: bytes) -> str:
-    version, packed, group_byte, scale_id = raw
+    version, packed, group_byte, scale_byte = raw
+    scale_id = scale_byte & 0xF
     if version != WIRE_VERSION:
         return f"wire version {version}"
     transform = {v: k for k, v in TRANSFORMS.items()}.get(packed & 0xF, f"?{packed & 0xF}")
@@ -174,15 +180,19 @@ def describe_settings_bytes(raw: bytes) -> str:
     scales = {v[0]: k for k, v in SCALE_MODES.items()}.get(scale_id, f"?{scale_id}")
     rounding = {v: k for k, v in ROUNDINGS.items()}.get(group_byte >> 4, f"?{group_byte >> 4}")
     rounding = "" if rounding == "nearest" else f" rounding={rounding}"
-    return f"group_size={1 << (group_byte & 0xF)} fmt={fmt} transform={transform} scales={scales}{rounding}"
+    encoder = {v: k for k, v in ENCODERS.items()}.get(scale_byte >> 4, f"?{scale_byte >> 4}")
+    encoder = "" if encoder == "taco" else f" encoder={encoder}"
+    return f"group_size={1 << (group_byte & 0xF)} fmt={fmt} transform={transform} scales={scales}{rounding}{encoder}"
 
 
 class WireFormatError(ValueError):
     """A compressed buffer does not match what the decoder expects."""
 
 
-def header_bytes(settings: CodecSettings, numel: int) -> bytes:
-    return MAGIC + settings.settings_bytes() + struct.pack("<Q", numel)
+def header_bytes(settings: CodecSettings, numel: int, encoder: str = "taco") -> bytes:
+    settings_bytes = bytearray(settings.settings_bytes())
+    settings_bytes[3] |= ENCODERS[encoder] << 4
+    return MAGIC + bytes(settings_bytes) + struct.pack("<Q", numel)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -203,7 +213,7 @@ def check_header(settings: CodecSettings, buf: torch.Tensor, numel: int) -> None
     raw = bytes(buf[:HEADER_BYTES].cpu().tolist())
     if raw[:4] != MAGIC:
         raise WireFormatError(f"not a TACO message (magic {raw[:4]!r})")
-    if raw[4:8] != settings.settings_bytes():
+    if raw[4:7] + bytes([raw[7] & 0xF]) != settings.settings_bytes() or raw[7] >> 4 not in ENCODERS.values():
         raise WireFormatError(
             f"codec settings mismatch: message was compressed with {describe_settings_bytes(raw[4:8])}, "
             f"decoder uses {settings.describe()}"

@@ -32,7 +32,7 @@ import triton.language as tl
 from megatron_taco.codec import reference
 from megatron_taco.codec.format import NAN_CODE, CodecSettings, header_words
 
-__all__ = ["LAUNCH_CONFIG", "compress_rows", "decompress_rows"]
+__all__ = ["LAUNCH_CONFIG", "compress_rows", "decompress_rows", "transform_rows"]
 
 _SCALE_MODE_IDS = {"fp32": 0, "dual": 1, "e8m0": 2, "e4m3": 3}
 # GPU launch shape: elements per program (BLOCK_G = tile // G) and warps, per kernel.
@@ -219,6 +219,34 @@ def _group_amax_kernel(
     x = tl.load(x_ptr + row * x_row_stride + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
     _, _, amax, _ = _transform_and_amax(x, eps, G, LOG2G, BLOCK_G, ASH, SCALE_MODE, FP8_MAX, INV_SQRT_G)
     tl.store(amax_ptr + row * n_groups + groups, amax, mask=groups < n_groups)
+
+
+@triton.jit
+def _transform_kernel(
+    x_ptr,
+    y_ptr,
+    x_row_stride,
+    numel,
+    n_groups,
+    eps,
+    G: tl.constexpr,
+    LOG2G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    ASH: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    INV_SQRT_G: tl.constexpr,
+):
+    """y[row] = the compress kernel's y (H(x) / sqrt(G) with ASH, else x) in fp32, zero-padded to whole groups,
+    NaN over every group that holds a NaN or an Inf: what another encoder (Transformer Engine's cast) quantizes."""
+    pid = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    groups = pid * BLOCK_G + tl.arange(0, BLOCK_G)
+    offsets = groups.to(tl.int64)[:, None] * G + tl.arange(0, G)[None, :]
+    x = tl.load(x_ptr + row * x_row_stride + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
+    y, _, _, nonfinite = _transform_and_amax(x, eps, G, LOG2G, BLOCK_G, ASH, SCALE_MODE, FP8_MAX, INV_SQRT_G)
+    y = tl.where(nonfinite[:, None], float("nan"), y)
+    tl.store(y_ptr + row * n_groups * G + offsets, y, mask=(groups < n_groups)[:, None])
 
 
 @triton.jit
@@ -507,6 +535,25 @@ def compress_rows(x: torch.Tensor, out: torch.Tensor, settings: CodecSettings, s
         **{f"E4M3_{k}": v for k, v in _grid_constants(3, -6).items() if k != "MANTISSA_BITS"},
         **common,
         **format_constants,
+        **_launch_options(x, "compress"),
+    )
+
+
+def transform_rows(x: torch.Tensor, y: torch.Tensor, settings: CodecSettings) -> None:
+    """y [R, n_groups * G] fp32 (contiguous) <- each row of x [R, m] as the compress kernel sees it before its
+    scale: transformed (ASH) or not, zero-padded, NaN over non-finite groups (``codec.te_cast``)."""
+    rows, numel = x.shape
+    n_groups = settings.num_groups(numel)
+    common = _common(settings, "compress", LAUNCH_CONFIG["compress"])
+    _transform_kernel[(max(1, triton.cdiv(n_groups, common["BLOCK_G"])), rows)](
+        x,
+        y,
+        x.stride(0),
+        numel,
+        n_groups,
+        settings.eps,
+        FP8_MAX=_format_constants(settings)["FP8_MAX"],
+        **{k: common[k] for k in ("G", "LOG2G", "BLOCK_G", "ASH", "SCALE_MODE", "INV_SQRT_G")},
         **_launch_options(x, "compress"),
     )
 

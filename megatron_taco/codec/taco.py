@@ -7,7 +7,8 @@
 On CUDA tensors the fused Triton kernels run; elsewhere the torch reference
 (:mod:`megatron_taco.codec.reference`) does. ``backend`` forces either one
 ("triton" also runs on CPU tensors under ``TRITON_INTERPRET=1``). Both produce
-the same bytes.
+the same bytes. ``backend="te"`` compresses with Transformer Engine's FP8 block quantizer
+(:mod:`megatron_taco.codec.te_cast`; CUDA, FP8, group 128, fp32 scales) and decodes with the Triton kernels.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-from megatron_taco.codec import reference
+from megatron_taco.codec import reference, te_cast
 from megatron_taco.codec.format import (
     SUPPORTED_INPUT_DTYPES,
     CodecSettings,
@@ -24,10 +25,19 @@ from megatron_taco.codec.format import (
     header_bytes,
 )
 
-__all__ = ["BACKENDS", "TacoCodec"]
+__all__ = ["BACKENDS", "TacoCodec", "describe_backend"]
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "te")
 DEFAULT_SCALES = "fp32"
+
+
+def describe_backend(backend: str, cuda: bool) -> str:
+    """Which encoder runs, in words, for start-up lines ("auto" says what it picked and why)."""
+    if backend == "auto":
+        if not cuda:
+            return "torch reference (auto: no GPU)"
+        return "triton (auto: Triton's kernels measured faster than Transformer Engine's cast, kernels.md)"
+    return {"te": "te (Transformer Engine's FP8 cast; Triton transform and decode)"}.get(backend, backend)
 
 
 def _check_input(x: torch.Tensor) -> None:
@@ -52,7 +62,8 @@ class TacoCodec:  # a WireCodec (megatron_taco.codec.interface)
         scales: "fp32" (one folded scale per group, default), "dual" (the paper's
             s_q and s_a, 8 bytes per group), "e8m0" (one power-of-two byte) or, for the 4-bit formats, "e4m3"
             (one E4M3 byte per group times one fp32 scale per message: NVFP4's layout, with group_size=16).
-        backend: "auto" (Triton kernels on CUDA tensors, torch otherwise), "torch", "triton".
+        backend: "auto" (Triton kernels on CUDA tensors, torch otherwise: on H200 they beat TE's cast,
+            benchmarks/results/kernels.md), "torch", "triton", "te" (TE's cast, Triton's transform and decode).
         rounding: "nearest" (ties to even) or, for the 4-bit formats, "stochastic" (unbiased: for gradients).
         seed: stochastic rounding's seed; call k of ``compress_rows`` uses hash32(hash32(seed) ^ k), the same on
             both backends: a run started again reproduces (a resumed one draws new noise: the count is not saved).
@@ -73,6 +84,8 @@ class TacoCodec:  # a WireCodec (megatron_taco.codec.interface)
         )
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if backend == "te":
+            te_cast.check_te_settings(self.settings)
         self.backend = backend
         self._headers: dict = {}
         self.seed = seed
@@ -101,12 +114,15 @@ class TacoCodec:  # a WireCodec (megatron_taco.codec.interface)
         return numel * torch.empty((), dtype=dtype).element_size() / self.compressed_nbytes(numel)
 
     def _use_triton(self, x: torch.Tensor) -> bool:
-        return self.backend == "triton" or (self.backend == "auto" and x.is_cuda)
+        """Triton kernels for this tensor (TE's backend decodes with them too)."""
+        if self.backend == "te" and not x.is_cuda:
+            raise ValueError("backend 'te' (Transformer Engine) needs CUDA tensors")
+        return self.backend in ("triton", "te") or (self.backend == "auto" and x.is_cuda)
 
-    def _header(self, numel: int, device: torch.device) -> torch.Tensor:
-        key = (numel, device)
+    def _header(self, numel: int, device: torch.device, encoder: str = "taco") -> torch.Tensor:
+        key = (numel, device, encoder)
         if key not in self._headers:
-            raw = header_bytes(self.settings, numel)
+            raw = header_bytes(self.settings, numel, encoder)
             self._headers[key] = torch.tensor(list(raw), dtype=torch.uint8, device=device)
         return self._headers[key]
 
@@ -139,6 +155,9 @@ class TacoCodec:  # a WireCodec (megatron_taco.codec.interface)
             raise ValueError(f"out must be a uint8 tensor of shape {(rows.shape[0], nbytes)} with unit column stride")
         call_seed = reference.hash32(reference.hash32(self.seed & 0xFFFFFFFF) ^ (self._calls & 0xFFFFFFFF))
         self._calls += 1
+        if self.backend == "te" and self._use_triton(rows):
+            te_cast.compress_rows_te(rows, out, self.settings, self._header(numel, rows.device, "te"))
+            return out
         if self._use_triton(rows):
             from megatron_taco.codec import kernels
 

@@ -13,6 +13,7 @@ from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 from megatron_taco.codec.format import FP8_FORMATS, GROUP_SIZES, SCALE_MODES
 from megatron_taco.codec.taco import BACKENDS
+from megatron_taco.codec.te_cast import TE_GROUP_SIZE, te_unavailable_reason
 from megatron_taco.config.errors import TacoConfigError
 
 __all__ = [
@@ -259,7 +260,8 @@ def _positive_int(value, flag: str, minimum: int = 0) -> int:
 
 
 def check_backend_runs_here(backend: str) -> None:
-    """``--taco-backend triton`` needs a GPU (or Triton's CPU interpreter, TRITON_INTERPRET=1, as the tests use)."""
+    """``--taco-backend triton`` needs a GPU (or Triton's CPU interpreter, TRITON_INTERPRET=1, as the tests use);
+    ``--taco-backend te`` needs a GPU and Transformer Engine."""
     import os
 
     import torch
@@ -269,6 +271,35 @@ def check_backend_runs_here(backend: str) -> None:
             "--taco-backend triton: Triton's kernels need a GPU here (no CUDA device); use auto or "
             "torch, or TRITON_INTERPRET=1 for Triton's slow CPU interpreter"
         )
+    if backend == "te":
+        if not torch.cuda.is_available():
+            raise TacoConfigError(
+                "--taco-backend te: Transformer Engine's FP8 cast needs a GPU (no CUDA device here); use auto"
+            )
+        reason = te_unavailable_reason()
+        if reason is not None:
+            raise TacoConfigError(
+                f"--taco-backend te needs Transformer Engine ({reason}); pip install -e '.[te]', or use auto"
+            )
+
+
+def _check_te_covers(settings: LinearSettings, context: str = "") -> None:
+    """``--taco-backend te``: every compressed direction in TE's block quantizer's reach (FP8, group 128, fp32)."""
+    for direction, flag in (("fwd", "--taco-mode"), ("bwd", "--taco-bwd-mode")):
+        mode = settings.mode_for(direction)
+        if mode == "none":
+            continue
+        if settings.element_format_for(direction) not in FORMATS:
+            raise TacoConfigError(
+                f"--taco-backend te casts to FP8 only (Transformer Engine's block quantizer), not {flag} {mode}; "
+                f"use --taco-backend triton for the 4-bit modes{context}"
+            )
+        if settings.group_size != TE_GROUP_SIZE or settings.scales != "fp32":
+            raise TacoConfigError(
+                f"--taco-backend te: Transformer Engine's block quantizer has {TE_GROUP_SIZE}-element groups with fp32 "
+                f"scales, not --taco-group-size {settings.group_size} --taco-scales {settings.scales}; use "
+                f"--taco-backend triton{context}"
+            )
 
 
 def _check_combinations(settings: LinearSettings, context: str = "") -> None:
@@ -308,6 +339,11 @@ def taco_config_from_args(args: argparse.Namespace) -> TacoConfig:
     )
     _check_combinations(default)
     overrides: List = [_parse_override(text, default) for text in args.taco_override]
+    backend = _choice(args.taco_backend, BACKENDS, "--taco-backend")
+    if backend == "te":
+        _check_te_covers(default)
+        for text, (_, settings) in zip(args.taco_override, overrides):
+            _check_te_covers(settings, f" (in --taco-override {text!r})")
     min_bytes = (
         None if str(args.taco_min_bytes).strip() == "auto" else parse_bytes(args.taco_min_bytes, "--taco-min-bytes")
     )
@@ -317,7 +353,7 @@ def taco_config_from_args(args: argparse.Namespace) -> TacoConfig:
         overrides=tuple(overrides),
         min_bytes=min_bytes,
         chunk_bytes=parse_bytes(args.taco_chunk_bytes, "--taco-chunk-bytes"),
-        backend=_choice(args.taco_backend, BACKENDS, "--taco-backend"),
+        backend=backend,
         log_interval=_positive_int(args.taco_log_interval, "--taco-log-interval"),
         error_sample_interval=_positive_int(args.taco_error_sample_interval, "--taco-error-sample-interval"),
     )

@@ -34,6 +34,7 @@ from megatron_taco.mapl import telemetry as mapl_telemetry
 from megatron_taco.mapl.telemetry import MAPL_TELEMETRY
 from megatron_taco.mapl.vq import index_bytes, packed_width
 from megatron_taco.config.errors import ConfigError, TrainConfigError
+from megatron_taco.codec.taco import describe_backend
 from megatron_taco.config.taco import TacoConfigError, add_taco_args, check_backend_runs_here, taco_config_from_args
 from megatron_taco.megatron.attach import format_ranges
 from megatron_taco.megatron.telemetry import TELEMETRY, TrafficRecord
@@ -541,7 +542,8 @@ def _train(args: argparse.Namespace) -> List[float]:
         layers = {name: format_ranges(numbers) for name, numbers in trainer.taco_layers.items()}
         _log(
             f"TACO {args.taco.default.describe_modes()} on this rank's layers {layers}; "
-            f"min-bytes {'auto' if args.taco.min_bytes is None else args.taco.min_bytes}"
+            f"min-bytes {'auto' if args.taco.min_bytes is None else args.taco.min_bytes}; codec "
+            f"{describe_backend(args.taco.backend, device == 'cuda')}"
         )
     if args.mapl is not None:
         widths = cfg.mapl_widths

@@ -1,0 +1,133 @@
+"""``--taco-backend te``: Transformer Engine's FP8 block quantizer as the codec's cast.
+
+On CPU: the settings TE does not cover are refused by name, and the header's encoder nibble is read (a
+TE-encoded header decodes with every backend; an unknown encoder is a named mismatch). On a GPU with TE
+(the GPU machine: ../shared/tools/te_kit.py): TE's messages against Triton's on the same inputs (codes
+bit-identical, scales within one fp32 ulp, the same error against float64 within 1%), each backend decoding
+the other's messages, the non-finite rule, and two ranks with different backends in one collective.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_taco import comm
+from megatron_taco.codec import TacoCodec, WireFormatError
+from megatron_taco.codec.format import check_header
+from megatron_taco.codec.te_cast import te_unavailable_reason
+from megatron_taco.testing.distributed import run_distributed
+from megatron_taco.testing.tensors import DISTRIBUTIONS
+
+NEEDS_TE = pytest.mark.skipif(
+    not torch.cuda.is_available() or te_unavailable_reason() is not None,
+    reason=f"needs a GPU and Transformer Engine ({te_unavailable_reason() or 'no CUDA device'}); "
+    "the GPU machine runs these (../shared/tools/te_kit.py)",
+)
+SETTINGS = [dict(fmt=f, transform=t) for f in ("e4m3", "e5m2") for t in ("ash", "none")]
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(fmt="e2m1"), dict(group_size=64), dict(scales="e8m0"), dict(fmt="int4", transform="none")],
+)
+def test_settings_te_does_not_cover_are_refused_by_name(kwargs):
+    with pytest.raises(ValueError, match="backend 'te' .* covers FP8 e4m3/e5m2 with group size 128 and fp32"):
+        TacoCodec(backend="te", **kwargs)
+
+
+def test_a_te_encoded_header_decodes_everywhere_and_an_unknown_encoder_is_refused():
+    codec = TacoCodec(backend="torch")
+    x = torch.randn(3, 256)
+    message = codec.compress(x)
+    expected = codec.decompress(message, x.shape)
+    message[7] |= 1 << 4  # encoder: Transformer Engine
+    check_header(codec.settings, message, x.numel())
+    assert torch.equal(codec.decompress(message, x.shape), expected)
+    message[7] = (message[7] & 0xF) | (5 << 4)
+    with pytest.raises(WireFormatError, match="codec settings mismatch: message was compressed with .* encoder=\\?5"):
+        codec.decompress(message, x.shape)
+
+
+def _inputs(numel: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return {name: make((numel,), gen) for name, make in DISTRIBUTIONS.items()}
+
+
+def _split(codec, message, numel):
+    groups, codes_at, scales_at = codec.settings.layout(numel)
+    return message[codes_at:scales_at], message[scales_at:].view(torch.float32)
+
+
+@NEEDS_TE
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: f"{s['fmt']}-{s['transform']}")
+@pytest.mark.parametrize("numel", [128 * 4096, 128 * 1000 + 40])
+def test_te_messages_match_triton_messages(settings, numel):
+    te_codec, triton_codec = TacoCodec(backend="te", **settings), TacoCodec(backend="triton", **settings)
+    for name, x in _inputs(numel, 7).items():
+        for dtype in (torch.bfloat16, torch.float32):
+            x_dev = x.to("cuda", dtype)
+            te_message, triton_message = te_codec.compress(x_dev), triton_codec.compress(x_dev)
+            assert te_message[7].item() >> 4 == 1 and triton_message[7].item() >> 4 == 0
+            assert torch.equal(te_message[4:7], triton_message[4:7]) and torch.equal(
+                te_message[8:16], triton_message[8:16]
+            )
+            te_codes, te_scales = _split(te_codec, te_message, numel)
+            triton_codes, triton_scales = _split(triton_codec, triton_message, numel)
+            assert torch.equal(te_codes, triton_codes), (name, dtype)
+            ulps = (te_scales.view(torch.int32) - triton_scales.view(torch.int32)).abs()
+            assert int(ulps.max()) <= 1, (name, dtype)
+            truth = x_dev.double()
+            errors = []
+            for message in (te_message, triton_message):
+                for decoder in (te_codec, triton_codec):  # each decodes the other's messages
+                    decoded = decoder.decompress(message, x_dev.shape, torch.float32)
+                    errors.append(float((decoded.double() - truth).norm() / truth.norm()))
+            assert max(errors) <= 1.01 * min(errors), (name, dtype, errors)
+
+
+@NEEDS_TE
+@pytest.mark.parametrize("settings", SETTINGS, ids=lambda s: f"{s['fmt']}-{s['transform']}")
+def test_te_backend_keeps_the_non_finite_rule(settings):
+    """A group holding NaN or Inf decodes to NaN as a whole (TE alone would saturate Inf to 448 x scale)."""
+    x = torch.randn(6, 128, device="cuda")
+    x[1, 5], x[2, 7], x[3, 0] = float("nan"), float("inf"), -float("inf")
+    x[4] = 0.0
+    decoded = TacoCodec(backend="triton", **settings).decompress(
+        TacoCodec(backend="te", **settings).compress(x), x.shape
+    )
+    assert decoded[1:4].isnan().all()
+    assert torch.equal(decoded[4], torch.zeros(128, device="cuda"))
+    assert decoded[[0, 5]].isfinite().all()
+
+
+def _mixed_backends_worker(backend_of_rank):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    gen = torch.Generator().manual_seed(11)
+    xs = [torch.randn(4096, 1024, generator=gen) * (1 + r) for r in range(world)]
+    x = xs[rank].to("cuda", torch.bfloat16)
+    mixed = TacoCodec(backend=backend_of_rank[rank])
+    same = TacoCodec(backend="triton")
+    out = {}
+    for name, run in (
+        ("all-gather", lambda c: comm.all_gather(x, None, c)),
+        ("reduce-scatter", lambda c: comm.reduce_scatter(x, None, c)),
+        ("all-reduce", lambda c: comm.all_reduce(x, None, c)),
+    ):
+        got, reference = run(mixed).float(), run(same).float()
+        out[name] = float((got - reference).norm() / reference.norm())
+    everyone = [torch.empty_like(got) for _ in range(world)]
+    dist.all_gather(everyone, got)  # the last result: the all-reduce
+    out["all-reduce identical on every rank"] = all(torch.equal(e, everyone[0]) for e in everyone)
+    return out
+
+
+@NEEDS_TE
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two ranks with NCCL need 2 GPUs")
+def test_two_ranks_with_different_backends_exchange_correct_messages(monkeypatch):
+    monkeypatch.setenv("TACO_TEST_START_METHOD", "spawn")
+    results = run_distributed(_mixed_backends_worker, 2, ["te", "triton"], backend="nccl", timeout=300)
+    for result in results:
+        # TE's scales differ from Triton's by at most one ulp: the results agree to ~1e-7 relative
+        assert result["all-gather"] < 1e-6 and result["reduce-scatter"] < 1e-6 and result["all-reduce"] < 1e-5, result
+        assert result["all-reduce identical on every rank"], result
