@@ -417,8 +417,8 @@ def _decompress_sum_kernel(
         if CODE_KIND >= 2:
             packed_offsets = groups.to(tl.int64)[:, None] * (G // 2) + tl.arange(0, G // 2)[None, :]
             packed = tl.load(buf + 16 + packed_offsets, mask=group_ok[:, None], other=0).to(tl.int32)
-            nibble_shift = (tl.arange(0, 2) * 4)[None, None, :]  # elements 2i, 2i + 1
-            nibbles = tl.reshape((packed[:, :, None] >> nibble_shift) & 0xF, (BLOCK_G, G))
+            # elements 2i, 2i + 1 (a join: unpacking by a broadcast shift made INT4 sums of N >= 2 messages 10x slower)
+            nibbles = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_G, G))
             y = _four_bit_values(nibbles, CODE_KIND == 3)
         else:
             codes = tl.load(buf + 16 + offsets, mask=group_ok[:, None], other=0)

@@ -48,10 +48,20 @@ def check_te_settings(settings: CodecSettings) -> None:
         )
 
 
+def _te_extension():
+    """TE's C++ extension module (``transformer_engine_torch``): importable once ``transformer_engine.pytorch`` has
+    loaded it, not before."""
+    import transformer_engine.pytorch  # noqa: F401
+    import transformer_engine_torch
+
+    return transformer_engine_torch
+
+
 @functools.lru_cache(maxsize=None)
 def _quantizer(fmt: str):
-    import transformer_engine_torch as tex
     from transformer_engine.pytorch.tensor.float8_blockwise_tensor import Float8BlockQuantizer
+
+    tex = _te_extension()
 
     dtype = {"e4m3": tex.DType.kFloat8E4M3, "e5m2": tex.DType.kFloat8E5M2}[fmt]
     return Float8BlockQuantizer(
@@ -61,7 +71,7 @@ def _quantizer(fmt: str):
 
 def compress_rows_te(rows: torch.Tensor, out: torch.Tensor, settings: CodecSettings, header: torch.Tensor) -> None:
     """Each row of ``rows`` [R, m] (CUDA) -> its message in ``out`` [R, nbytes]: Triton transform, TE cast."""
-    import transformer_engine_torch as tex
+    tex = _te_extension()
     from transformer_engine.pytorch.tensor.storage.float8_blockwise_tensor_storage import (
         Float8BlockwiseQTensorStorage,
     )
