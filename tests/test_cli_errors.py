@@ -80,9 +80,9 @@ def test_backends_that_cannot_run_here_fail_at_start_up(monkeypatch):
         "--taco-backend te: Transformer Engine's block quantizer has 128-element groups with fp32 scales, "
         "not --taco-group-size 64 --taco-scales fp32"
     )
-    assert _startup_error(
-        ["--config", TINY, "--taco-backend", "te", "--taco-override", "1-1:mode=int4"]
-    ).startswith("--taco-backend te casts to FP8 only (Transformer Engine's block quantizer), not --taco-mode int4")
+    assert _startup_error(["--config", TINY, "--taco-backend", "te", "--taco-override", "1-1:mode=int4"]).startswith(
+        "--taco-backend te casts to FP8 only (Transformer Engine's block quantizer), not --taco-mode int4"
+    )
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if not torch.cuda.is_available():
         assert _startup_error(["--config", TINY, "--taco-backend", "te"]).startswith(

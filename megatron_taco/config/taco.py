@@ -238,7 +238,8 @@ def add_taco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--taco-backend",
         default="auto",
-        help="auto (Triton kernels on GPU, torch elsewhere), torch (reference), triton (needs a GPU)",
+        help="auto (Triton kernels on GPU, torch elsewhere), torch (reference), triton (needs a GPU), te (Transformer "
+        "Engine's FP8 block cast: FP8 modes, group 128, fp32 scales; Triton transforms and decodes; slower on H200)",
     )
     group.add_argument("--taco-log-interval", default="10", help="steps between telemetry log lines (0: off)")
     group.add_argument(
