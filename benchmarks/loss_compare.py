@@ -1,0 +1,307 @@
+"""Loss you can trust: a baseline and TACO variants trained side by side, same seeds, data and steps, with the 95%
+interval of each variant's difference from the baseline.
+
+    # 2 GPUs (NCCL), the headline shape: ~25M parameters, 5 seeds, 1000 steps (resumable across 10-minute calls)
+    python -m benchmarks.loss_compare --model gpt-25m --arms "none;fp8-ash;fp4-ash;int4-ash;fp4-ash/fp8-ash" \\
+        --seeds 5 --steps 1000 --parallel 10 --json benchmarks/results/loss_compare_gpt.json
+    # CPU (gloo, fp32): exploring, not a headline
+    python -m benchmarks.loss_compare --model gpt-tiny --steps 200 --seeds 5 --device cpu --parallel 1 \\
+        --json benchmarks/results/loss_compare_cpu.json
+
+Every run is TP=2 + SP on 2 ranks (a process pair; ``--parallel`` pairs at a time share the GPUs: that changes how
+fast they go, not what they compute). Arm ``none`` is megatron-core's stock linears; ``MODE[/BWD_MODE][+sr]`` is
+TACO with MODE on the forward traffic, BWD_MODE on the gradients (default MODE) and stochastic rounding of the
+gradients' 4-bit codes with ``+sr``, every message compressed (no link policy: a loss study must compress).
+Seed s sets the initialisation and the order of the training data, the same for every arm; the data is real
+text (the Python standard library's sources, byte-level), validation on held-out files.
+
+Statistics: for each seed, the variant's final validation loss relative to the baseline's of the same seed, in
+percent; their mean, sample standard deviation and the t-distribution's 95% interval of the mean (paired by seed).
+Results accumulate in ``--json`` after every run: a call cut short keeps what it finished, and the same command
+again trains only the runs still missing. The report (``--report``, default: the json's name with ``.md``) is
+rewritten after every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import statistics
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from megatron_taco.config.taco import LinearSettings, TacoConfig
+from megatron_taco.testing.distributed import run_distributed
+from megatron_taco.training.data import byte_text_batches, stdlib_text_files
+from megatron_taco.training.loop import TrainConfig, Trainer
+from megatron_taco.training.model import QWEN_ARCHITECTURE, ModelShape
+
+from .provenance import project_commit
+
+# byte-level text: vocabulary 256 for every shape
+MODELS: Dict[str, ModelShape] = {
+    # ~25M parameters (8 x 12 x 512^2 = 25.2M in the layers): 5 seeds per arm fit the GPU budget
+    "gpt-25m": ModelShape(
+        num_layers=8, hidden_size=512, num_attention_heads=8, ffn_hidden_size=2048, vocab_size=256, seq_length=1024
+    ),
+    "qwen-25m": ModelShape(
+        num_layers=8,
+        hidden_size=512,
+        num_attention_heads=8,
+        num_query_groups=2,
+        ffn_hidden_size=1536,
+        vocab_size=256,
+        seq_length=1024,
+        **QWEN_ARCHITECTURE,
+    ),
+    # configs/gpt-125m.yaml's shape (GPT-3 Small) on the byte-level vocabulary
+    "gpt-125m": ModelShape(
+        num_layers=12,
+        hidden_size=768,
+        num_attention_heads=12,
+        ffn_hidden_size=3072,
+        vocab_size=256,
+        seq_length=2048,
+        tie_embeddings=True,
+    ),
+    # CPU exploration: configs/gpt-tiny.yaml's and configs/qwen-tiny.yaml's sizes
+    "gpt-tiny": ModelShape(
+        num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=256, seq_length=64
+    ),
+    "qwen-tiny": ModelShape(
+        num_layers=4,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=192,
+        vocab_size=256,
+        seq_length=64,
+        **QWEN_ARCHITECTURE,
+    ),
+}
+# two-sided 95% quantiles of Student's t, by degrees of freedom (1-30); beyond 30 the normal's 1.96 (+ < 2.2%)
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131)
+T_975 += (2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+DETERMINISTIC_CUBLAS = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
+
+
+def arm_config(arm: str) -> Optional[TacoConfig]:
+    """``none`` -> None (stock linears); ``MODE[/BWD_MODE][+sr]`` -> TACO on every linear and message."""
+    if arm == "none":
+        return None
+    text, stochastic = (arm[: -len("+sr")], True) if arm.endswith("+sr") else (arm, False)
+    mode, _, bwd_mode = text.partition("/")
+    settings = LinearSettings(mode=mode, bwd_mode=bwd_mode or None, stochastic_bwd=stochastic)
+    return TacoConfig(default=settings, min_bytes=0)
+
+
+def paired_interval(differences: Sequence[float]) -> Tuple[float, float, float, float]:
+    """(mean, sample standard deviation, lower, upper) of the t-distribution's 95% interval of the mean."""
+    n = len(differences)
+    mean = statistics.mean(differences)
+    if n < 2:
+        return mean, float("nan"), float("nan"), float("nan")
+    sd = statistics.stdev(differences)
+    t = T_975[n - 2] if n - 1 <= len(T_975) else 1.96
+    half = t * sd / math.sqrt(n)
+    return mean, sd, mean - half, mean + half
+
+
+def _run(model: str, arm: str, seed: int, steps: int, micro_batches: int, micro_batch_size: int, lr: float,
+         warmup: int, eval_iters: int, dtype: str) -> dict:  # fmt: skip
+    """One training run on this process pair: per-step training losses and the final validation loss."""
+    shape = MODELS[model]
+    cfg = TrainConfig(
+        shape,
+        tensor_parallel=2,
+        sequence_parallel=True,
+        micro_batch_size=micro_batch_size,
+        num_microbatches=micro_batches,
+        dtype=dtype,
+        lr=lr,
+        lr_warmup_iters=warmup,
+        lr_decay_style="cosine",
+        lr_decay_iters=steps,
+        min_lr=lr / 10,
+        seed=1234 + seed,
+        taco=arm_config(arm),
+    )
+    train_files, valid_files = stdlib_text_files()
+    trainer = Trainer(cfg)
+    # megatron-core marks the TP-sharded weights; the rest is replicated on both ranks
+    parameters = sum(
+        p.numel() * (2 if getattr(p, "tensor_model_parallel", False) else 1) for p in trainer.model.parameters()
+    )
+    data = byte_text_batches(train_files, shape.seq_length, micro_batch_size, seed=1 + seed)
+    losses = [trainer.train_step(data)["loss"] for _ in range(steps)]
+    valid = trainer.evaluate(byte_text_batches(valid_files, shape.seq_length, micro_batch_size, seed=2), eval_iters)
+    trainer.close()
+    return dict(train=losses, valid=valid, parameters=parameters)
+
+
+def _key(arm: str, seed: int) -> str:
+    return f"{arm} | seed {seed}"
+
+
+def _parameter_counts(results: dict) -> str:
+    """The parameter count of the runs (one number when every arm has the same, as TACO adds none)."""
+    counts = sorted({run["parameters"] for run in results["runs"].values()})
+    return " / ".join(f"{c:,}" for c in counts) or "?"
+
+
+def report(args, results: dict) -> List[str]:
+    """The markdown report of what ``results`` holds so far."""
+    arms = args.arms.split(";")
+    base = arms[0]
+    shape = MODELS[args.model]
+    tokens = args.steps * args.micro_batches * args.micro_batch_size * shape.seq_length
+    lines = [
+        f"# Loss comparison: {args.model}, {', '.join(arms)}",
+        "",
+        f"- Command: `python -m benchmarks.loss_compare {' '.join(args.argv)}`",
+        f"- Commit: {results.get('commit', project_commit())}; date {results.get('date')}; hardware: {results.get('hardware')}; "
+        f"torch {torch.__version__}",
+        f"- Model: {args.model} ({_parameter_counts(results)} parameters), {dataclasses.asdict(shape)}",
+        f"- Training: TP=2 + SP, {args.dtype}, {args.steps} steps of {args.micro_batches} x {args.micro_batch_size} "
+        f"sequences of {shape.seq_length} byte-level tokens = {tokens:,} tokens seen per run; Adam lr {args.lr:g}, "
+        f"{args.warmup} warm-up steps, cosine to lr/10; validation: {args.eval_iters} x {args.micro_batch_size} "
+        "held-out sequences (Python stdlib sources). Seed s: initialisation and data order, the same for every arm.",
+        f"- Difference: 100 x (validation loss / the `{base}` run's of the same seed - 1), per seed; then mean, sample "
+        "standard deviation and the t-distribution's 95% interval of the mean.",
+        "",
+        "| arm | seeds | validation loss, mean +- std | difference vs "
+        + base
+        + " per seed | mean | std | 95% interval "
+        "| goal (upper end <=) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    goals = dict(goal.split("=") for goal in args.goal)
+    runs = results["runs"]
+    for arm in arms:
+        seeds = sorted(s for s in range(args.seeds) if _key(arm, s) in runs)
+        if not seeds:
+            lines.append(f"| {arm} | 0 | - | - | - | - | - | - |")
+            continue
+        valid = [runs[_key(arm, s)]["valid"] for s in seeds]
+        spread = (
+            f"{statistics.mean(valid):.4f} +- {statistics.stdev(valid):.4f}" if len(valid) > 1 else f"{valid[0]:.4f}"
+        )
+        paired = [s for s in seeds if _key(base, s) in runs]
+        if arm == base or not paired:
+            lines.append(f"| {arm} | {len(seeds)} | {spread} | - | - | - | - | - |")
+            continue
+        diffs = [100 * (runs[_key(arm, s)]["valid"] / runs[_key(base, s)]["valid"] - 1) for s in paired]
+        mean, sd, low, high = paired_interval(diffs)
+        goal = goals.get(arm)
+        verdict = "-" if goal is None or math.isnan(high) else f"+{goal}%: {'met' if high <= float(goal) else 'missed'}"
+        lines.append(
+            f"| {arm} | {len(seeds)} | {spread} | {', '.join(f'{d:+.2f}%' for d in diffs)} | {mean:+.3f}% | "
+            f"{sd:.3f} | [{low:+.3f}%, {high:+.3f}%] | {verdict} |"
+        )
+    missing = [(a, s) for a in arms for s in range(args.seeds) if _key(a, s) not in runs]
+    if missing:
+        lines += ["", f"{len(missing)} runs still missing: run the same command again to train them."]
+    return lines
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="gpt-25m", choices=sorted(MODELS))
+    parser.add_argument(
+        "--arms",
+        default="none;fp8-ash;fp4-ash;int4-ash;fp4-ash/fp8-ash",
+        help="';'-separated; the first is the baseline",
+    )
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--micro-batch-size", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--eval-iters", type=int, default=50)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    parser.add_argument("--parallel", type=int, default=1, help="process pairs at a time")
+    parser.add_argument("--goal", action="append", default=[], help="ARM=PERCENT: the upper end it must stay under")
+    parser.add_argument("--json", required=True, help="results so far (read to resume, rewritten after every run)")
+    parser.add_argument("--report", help="markdown report (default: --json with .md)")
+    args = parser.parse_args(argv)
+    args.argv = argv if argv is not None else __import__("sys").argv[1:]
+    args.dtype = "bf16" if args.device == "cuda" else "fp32"
+    arms = args.arms.split(";")
+    for arm in arms:
+        try:
+            arm_config(arm)
+        except ValueError as exc:
+            parser.error(f"--arms: {arm!r}: {exc}")
+    for goal in args.goal:
+        if goal.count("=") != 1 or goal.split("=")[0] not in arms:
+            parser.error(f"--goal {goal!r}: expected ARM=PERCENT with ARM one of {arms}")
+    report_path = args.report or os.path.splitext(args.json)[0] + ".md"
+    results = {"runs": {}}
+    if os.path.exists(args.json):
+        with open(args.json) as f:
+            results = json.load(f)
+        if results.get("setup") != _setup(args):
+            raise SystemExit(f"{args.json} holds runs of another set-up ({results.get('setup')}); use another --json")
+    results.update(setup=_setup(args), date=datetime.date.today().isoformat(), commit=project_commit())
+    results["hardware"] = (
+        f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
+        if args.device == "cuda"
+        else f"CPU ({os.cpu_count()} cores)"
+    )
+
+    def save():
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+        with open(report_path, "w") as f:
+            f.write("\n".join(report(args, results)) + "\n")
+
+    todo = [(arm, seed) for seed in range(args.seeds) for arm in arms if _key(arm, seed) not in results["runs"]]
+    print(f"loss_compare: {len(todo)} runs to train ({len(results['runs'])} already in {args.json})", flush=True)
+    save()
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        futures = {
+            pool.submit(
+                run_distributed,
+                _run,
+                2,
+                args.model,
+                arm,
+                seed,
+                args.steps,
+                args.micro_batches,
+                args.micro_batch_size,
+                args.lr,
+                args.warmup,
+                args.eval_iters,
+                args.dtype,
+                backend="nccl" if args.device == "cuda" else "gloo",
+                env=DETERMINISTIC_CUBLAS,
+                timeout=24 * 3600,
+            ): (arm, seed)
+            for arm, seed in todo
+        }
+        for future in as_completed(futures):
+            arm, seed = futures[future]
+            results["runs"][_key(arm, seed)] = future.result()[0]
+            run = results["runs"][_key(arm, seed)]
+            print(f"  {_key(arm, seed)}: final train {run['train'][-1]:.4f} valid {run['valid']:.4f}", flush=True)
+            save()
+    print("\n".join(report(args, results)), flush=True)
+
+
+def _setup(args) -> dict:
+    """What must match for runs to be compared (the arms and seeds may grow)."""
+    keys = ("model", "steps", "micro_batches", "micro_batch_size", "lr", "warmup", "eval_iters", "dtype")
+    return {k: getattr(args, k) for k in keys}
+
+
+if __name__ == "__main__":
+    main()

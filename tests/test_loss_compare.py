@@ -1,0 +1,43 @@
+"""benchmarks/loss_compare.py: the paired 95% interval, and a tiny real comparison on gloo that resumes."""
+
+import json
+import statistics
+
+import pytest
+
+from benchmarks import loss_compare
+
+
+def test_paired_interval_is_the_t_interval_of_the_mean():
+    # n = 5: mean 3, sample sd sqrt(2.5), t(0.975, 4) = 2.776 -> half-width 2.776 * sqrt(2.5) / sqrt(5)
+    mean, sd, low, high = loss_compare.paired_interval([1.0, 2.0, 3.0, 4.0, 5.0])
+    assert mean == 3.0 and sd == pytest.approx(statistics.stdev([1, 2, 3, 4, 5]))
+    assert (low, high) == pytest.approx((3.0 - 2.776 * 0.5**0.5, 3.0 + 2.776 * 0.5**0.5))
+    assert loss_compare.paired_interval([0.4, 0.4])[2:] == pytest.approx((0.4, 0.4))  # no spread, no width
+
+
+def test_arms_name_taco_settings():
+    assert loss_compare.arm_config("none") is None
+    settings = loss_compare.arm_config("fp4-ash/fp8-ash+sr").default
+    assert (settings.mode, settings.bwd_mode, settings.stochastic_bwd) == ("fp4-ash", "fp8-ash", True)
+    assert loss_compare.arm_config("fp8-ash").min_bytes == 0  # every message compressed
+
+
+def test_a_tiny_comparison_trains_every_run_once_and_resumes(tmp_path, capsys):
+    path = tmp_path / "runs.json"
+    flags = ["--model", "gpt-tiny", "--arms", "none;fp8-ash", "--seeds", "2", "--steps", "2", "--micro-batches", "1",
+             "--micro-batch-size", "2", "--warmup", "0", "--eval-iters", "1", "--device", "cpu", "--json", str(path),
+             "--goal", "fp8-ash=0.25"]  # fmt: skip
+    loss_compare.main(flags)
+    runs = json.loads(path.read_text())["runs"]
+    assert sorted(runs) == ["fp8-ash | seed 0", "fp8-ash | seed 1", "none | seed 0", "none | seed 1"]
+    assert all(len(r["train"]) == 2 and r["valid"] > 0 and r["parameters"] > 0 for r in runs.values())
+    assert runs["none | seed 0"]["valid"] != runs["none | seed 1"]["valid"]  # seeds differ
+    report = (tmp_path / "runs.md").read_text()
+    assert "| fp8-ash | 2 |" in report and "+0.25%: " in report
+    loss_compare.main(flags)  # again: nothing left to train
+    assert "0 runs to train (4 already in" in capsys.readouterr().out
+    longer = list(flags)
+    longer[longer.index("--steps") + 1] = "3"
+    with pytest.raises(SystemExit, match="holds runs of another set-up"):
+        loss_compare.main(longer)
