@@ -81,11 +81,13 @@ def compress_rows_te(rows: torch.Tensor, out: torch.Tensor, settings: CodecSetti
     n_rows, numel = rows.shape
     n_groups, codes_at, scales_at = settings.layout(numel)
     g = settings.group_size
+    out[:, :HEADER_BYTES] = header
+    if n_groups == 0:  # an empty tensor: the header alone
+        return
     transformed = torch.empty(n_rows, n_groups * g, dtype=torch.float32, device=rows.device)
     kernels.transform_rows(rows, transformed, settings)  # y (zero-padded), NaN over non-finite groups
     quantizer = _quantizer(settings.fmt)
     scale_inv = torch.empty(1, -(-n_groups // 4) * 4, dtype=torch.float32, device=rows.device)
-    out[:, :HEADER_BYTES] = header
     for r in range(n_rows):
         codes = out[r, codes_at:scales_at].view(n_groups, g)
         target = Float8BlockwiseQTensorStorage(codes, scale_inv, None, None, quantizer.dtype, quantizer, False)
