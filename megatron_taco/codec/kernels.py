@@ -467,17 +467,15 @@ def _grid_constants(mantissa_bits: int, min_normal_exp: int, prefix: str = "") -
 _OUTPUT_GRIDS = {torch.float32: (23, -126), torch.bfloat16: (7, -126), torch.float16: (10, -14)}
 
 
-@functools.lru_cache(maxsize=None)
-def _format_constants(settings: CodecSettings) -> dict:
-    fmt = settings.format
-    return dict(
-        FP8_MAX=fmt.max_value,
-        **_grid_constants(fmt.mantissa_bits, fmt.min_normal_exp),
-    )
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # not triton.cdiv: a JIT function, ~9 us per call from Python
 
 
+# Everything a launch passes besides its tensors and sizes, built once per (settings, launch shape, device kind):
+# a TP step launches hundreds of these kernels, and the host's time per launch adds up on fast links.
 @functools.lru_cache(maxsize=None)
-def _common(settings: CodecSettings, kernel: str, launch: Tuple[int, int]) -> dict:
+def _common(settings: CodecSettings, launch: Tuple[int, int], on_gpu: bool) -> dict:
+    """The constexprs every kernel shares, and the launch options (warps; no fused multiply-add on GPUs)."""
     g = settings.group_size
     return dict(
         G=g,
@@ -485,13 +483,33 @@ def _common(settings: CodecSettings, kernel: str, launch: Tuple[int, int]) -> di
         BLOCK_G=max(1, launch[0] // g),
         ASH=settings.transform == "ash",
         SCALE_MODE=_SCALE_MODE_IDS[settings.scales],
-        CODE_KIND=settings.format.code_id,  # 0: E4M3, 1: E5M2, 2: E2M1, 3: INT4 (the wire's format id)
         INV_SQRT_G=reference.inv_sqrt_group(g),
+        FP8_MAX=settings.format.max_value,
+        **(dict(num_warps=launch[1], enable_fp_fusion=False) if on_gpu else {}),
     )
 
 
-def _launch_options(x: torch.Tensor, kernel: str) -> dict:
-    return dict(num_warps=LAUNCH_CONFIG[kernel][1], enable_fp_fusion=False) if x.is_cuda else {}
+@functools.lru_cache(maxsize=None)
+def _compress_constants(settings: CodecSettings, launch: Tuple[int, int], on_gpu: bool) -> dict:
+    fmt = settings.format
+    return dict(
+        _common(settings, launch, on_gpu),
+        CODE_KIND=fmt.code_id,  # 0: E4M3, 1: E5M2, 2: E2M1, 3: INT4 (the wire's format id)
+        STOCHASTIC=settings.rounding == "stochastic",
+        HW_ROUNDING=on_gpu,
+        NAN_BYTE=NAN_CODE,
+        **_grid_constants(fmt.mantissa_bits, fmt.min_normal_exp),
+        **{f"E4M3_{k}": v for k, v in _grid_constants(3, -6).items() if k != "MANTISSA_BITS"},
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _decompress_constants(
+    settings: CodecSettings, launch: Tuple[int, int], on_gpu: bool, out_dtype: torch.dtype
+) -> dict:
+    constants = dict(_common(settings, launch, on_gpu), CODE_KIND=settings.format.code_id, HW_ROUNDING=on_gpu)
+    del constants["FP8_MAX"]
+    return dict(constants, **_grid_constants(*_OUTPUT_GRIDS[out_dtype], prefix="OUT_"))
 
 
 def compress_rows(x: torch.Tensor, out: torch.Tensor, settings: CodecSettings, seed: int = 0) -> None:
@@ -499,22 +517,14 @@ def compress_rows(x: torch.Tensor, out: torch.Tensor, settings: CodecSettings, s
     this call's stochastic-rounding seed (unused with rounding="nearest")."""
     rows, numel = x.shape
     n_groups, _, scales_offset = settings.layout(numel)
-    common = _common(settings, "compress", LAUNCH_CONFIG["compress"])
-    grid = (max(1, triton.cdiv(n_groups, common["BLOCK_G"])), rows)
-    format_constants = _format_constants(settings)
+    launch = LAUNCH_CONFIG["compress"]
+    constants = _compress_constants(settings, launch, x.is_cuda)
+    grid = (max(1, _cdiv(n_groups, constants["BLOCK_G"])), rows)
     row_amax = x  # a placeholder pointer: read only by scales="e4m3"
     if settings.scales == "e4m3":  # first pass: every group's max, then the row's
         group_amax = torch.empty(rows, n_groups, dtype=torch.float32, device=x.device)
         _group_amax_kernel[grid](
-            x,
-            group_amax,
-            x.stride(0),
-            numel,
-            n_groups,
-            settings.eps,
-            FP8_MAX=format_constants["FP8_MAX"],
-            **{k: common[k] for k in ("G", "LOG2G", "BLOCK_G", "ASH", "SCALE_MODE", "INV_SQRT_G")},
-            **_launch_options(x, "compress"),
+            x, group_amax, x.stride(0), numel, n_groups, settings.eps, **_common(settings, launch, x.is_cuda)
         )
         row_amax = group_amax.amax(dim=1)
     _compress_kernel[grid](
@@ -529,13 +539,7 @@ def compress_rows(x: torch.Tensor, out: torch.Tensor, settings: CodecSettings, s
         settings.eps,
         seed,
         row_amax,
-        STOCHASTIC=settings.rounding == "stochastic",
-        HW_ROUNDING=x.is_cuda,
-        NAN_BYTE=NAN_CODE,
-        **{f"E4M3_{k}": v for k, v in _grid_constants(3, -6).items() if k != "MANTISSA_BITS"},
-        **common,
-        **format_constants,
-        **_launch_options(x, "compress"),
+        **constants,
     )
 
 
@@ -544,17 +548,9 @@ def transform_rows(x: torch.Tensor, y: torch.Tensor, settings: CodecSettings) ->
     scale: transformed (ASH) or not, zero-padded, NaN over non-finite groups (``codec.te_cast``)."""
     rows, numel = x.shape
     n_groups = settings.num_groups(numel)
-    common = _common(settings, "compress", LAUNCH_CONFIG["compress"])
-    _transform_kernel[(max(1, triton.cdiv(n_groups, common["BLOCK_G"])), rows)](
-        x,
-        y,
-        x.stride(0),
-        numel,
-        n_groups,
-        settings.eps,
-        FP8_MAX=_format_constants(settings)["FP8_MAX"],
-        **{k: common[k] for k in ("G", "LOG2G", "BLOCK_G", "ASH", "SCALE_MODE", "INV_SQRT_G")},
-        **_launch_options(x, "compress"),
+    common = _common(settings, LAUNCH_CONFIG["compress"], x.is_cuda)
+    _transform_kernel[(max(1, _cdiv(n_groups, common["BLOCK_G"])), rows)](
+        x, y, x.stride(0), numel, n_groups, settings.eps, **common
     )
 
 
@@ -569,9 +565,8 @@ def decompress_rows(bufs: torch.Tensor, out: torch.Tensor, settings: CodecSettin
     if bufs.shape[0] % rows:
         raise ValueError(f"{bufs.shape[0]} messages do not split evenly over {rows} output rows")
     n_groups, _, scales_offset = settings.layout(numel)
-    common = _common(settings, "decompress_sum", LAUNCH_CONFIG["decompress_sum"])
-    grid = (triton.cdiv(n_groups, common["BLOCK_G"]), rows)
-    _decompress_sum_kernel[grid](
+    constants = _decompress_constants(settings, LAUNCH_CONFIG["decompress_sum"], bufs.is_cuda, out.dtype)
+    _decompress_sum_kernel[(_cdiv(n_groups, constants["BLOCK_G"]), rows)](
         bufs,
         out,
         bufs.shape[0] // rows,
@@ -580,8 +575,5 @@ def decompress_rows(bufs: torch.Tensor, out: torch.Tensor, settings: CodecSettin
         numel,
         n_groups,
         scales_offset,
-        **common,
-        **_launch_options(bufs, "decompress_sum"),
-        HW_ROUNDING=bufs.is_cuda,
-        **_grid_constants(*_OUTPUT_GRIDS[out.dtype], prefix="OUT_"),
+        **constants,
     )
