@@ -56,9 +56,8 @@ def _fwht(v, BLOCK_G: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
 
     Stage b views each group as [G / 2^(b+1), 2, 2^b] and replaces the pair (a, b) on the size-2 axis by
     (a + b, a - b): two reductions over that axis (a + b, and a + (-b), which IEEE defines as a - b) and a
-    select. Unlike split / join / permute, this keeps the tile's layout: no data moves through shared
-    memory between stages (measured on H200: 0.68 of copy bandwidth for the FP8 compress, 0.40 with
-    permutes; benchmarks/results/kernels.md).
+    select, with no permute of the tile (measured on H200 in a compress microbenchmark: 0.68 of copy
+    bandwidth, 0.40 with the split / join / permute form; benchmarks/results/kernels.md).
     """
     for b in tl.static_range(LOG2G):
         if b == 0:  # pairs of adjacent elements: no trailing axis of size 1
