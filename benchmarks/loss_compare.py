@@ -30,6 +30,7 @@ import datetime
 import json
 import math
 import os
+import shlex
 import statistics
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -163,7 +164,7 @@ def report(args, results: dict) -> List[str]:
     lines = [
         f"# Loss comparison: {args.model}, {', '.join(arms)}",
         "",
-        f"- Command: `python -m benchmarks.loss_compare {' '.join(args.argv)}`",
+        f"- Command: `python -m benchmarks.loss_compare {shlex.join(args.argv)}`",
         f"- Commit: {results.get('commit', project_commit())}; date {results.get('date')}; hardware: {results.get('hardware')}; "
         f"torch {torch.__version__}",
         f"- Model: {args.model} ({_parameter_counts(results)} parameters), {dataclasses.asdict(shape)}",
