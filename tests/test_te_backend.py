@@ -7,13 +7,15 @@ bit-identical, scales within one fp32 ulp, the same error against float64 within
 the other's messages, the non-finite rule, and two ranks with different backends in one collective.
 """
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from megatron_taco import comm
-from megatron_taco.codec import TacoCodec, WireFormatError
-from megatron_taco.codec.format import check_header
+from megatron_taco.codec import TacoCodec, WireFormatError, kernels, reference
+from megatron_taco.codec.format import CodecSettings, check_header
 from megatron_taco.codec.te_cast import te_unavailable_reason
 from megatron_taco.testing.distributed import run_distributed
 from megatron_taco.testing.tensors import DISTRIBUTIONS
@@ -46,6 +48,27 @@ def test_a_te_encoded_header_decodes_everywhere_and_an_unknown_encoder_is_refuse
     message[7] = (message[7] & 0xF) | (5 << 4)
     with pytest.raises(WireFormatError, match="codec settings mismatch: message was compressed with .* encoder=\\?5"):
         codec.decompress(message, x.shape)
+
+
+@pytest.mark.skipif(
+    not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="Triton kernels need a GPU or TRITON_INTERPRET=1",
+)
+@pytest.mark.parametrize("transform", ["ash", "none"])
+def test_the_transform_pass_writes_what_te_quantizes(transform):
+    """kernels.transform_rows: y = H(x) / sqrt(G) (or x), zero-padded to whole groups, NaN over non-finite groups."""
+    settings = CodecSettings(fmt="e4m3", transform=transform)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(3, 300, generator=torch.Generator().manual_seed(3)) * 10
+    x[1, 5], x[2, 260] = float("nan"), float("inf")
+    y = torch.empty(3, 3 * 128, device=device)
+    kernels.transform_rows(x.to(device), y, settings)
+    padded = torch.zeros(3, 3, 128)
+    padded.view(3, -1)[:, :300] = x
+    expected = reference.fwht(padded) * reference.inv_sqrt_group(128) if transform == "ash" else padded.clone()
+    expected[1, 0], expected[2, 2] = float("nan"), float("nan")
+    assert torch.equal(y.cpu().view(3, 3, 128).nan_to_num(7.0), expected.nan_to_num(7.0))
+    assert y.view(3, 3, 128)[1, 0].isnan().all() and y.view(3, 3, 128)[2, 2].isnan().all()
 
 
 def _inputs(numel: int, seed: int):

@@ -194,9 +194,9 @@ def _transform_and_amax(
 
 
 @triton.jit
-def _group_amax_kernel(
+def _first_pass_kernel(
     x_ptr,
-    amax_ptr,
+    out_ptr,
     x_row_stride,
     numel,
     n_groups,
@@ -208,44 +208,26 @@ def _group_amax_kernel(
     SCALE_MODE: tl.constexpr,
     FP8_MAX: tl.constexpr,
     INV_SQRT_G: tl.constexpr,
+    WRITE_Y: tl.constexpr,  # True: out = y [R, n_groups * G]; False: out = per-group max [R, n_groups]
 ):
-    """amax[row, group] = max |y| of the group (0 if non-finite): the first pass of scales="e4m3", whose
-    message scale needs the whole row's maximum before any group is quantized."""
+    """What the compress kernel computes before its scale, written out for a pass that needs it first.
+
+    WRITE_Y=False: out[row, group] = max |y| of the group (0 if non-finite): the first pass of scales="e4m3",
+    whose message scale needs the whole row's maximum before any group is quantized.
+    WRITE_Y=True: out[row] = y (H(x) / sqrt(G) with ASH, else x) in fp32, zero-padded to whole groups, NaN over
+    every group that holds a NaN or an Inf: what another encoder (Transformer Engine's cast) quantizes.
+    """
     pid = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     groups = pid * BLOCK_G + tl.arange(0, BLOCK_G)
     offsets = groups.to(tl.int64)[:, None] * G + tl.arange(0, G)[None, :]
     x = tl.load(x_ptr + row * x_row_stride + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
-    _, _, amax, _ = _transform_and_amax(x, eps, G, LOG2G, BLOCK_G, ASH, SCALE_MODE, FP8_MAX, INV_SQRT_G)
-    tl.store(amax_ptr + row * n_groups + groups, amax, mask=groups < n_groups)
-
-
-@triton.jit
-def _transform_kernel(
-    x_ptr,
-    y_ptr,
-    x_row_stride,
-    numel,
-    n_groups,
-    eps,
-    G: tl.constexpr,
-    LOG2G: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    ASH: tl.constexpr,
-    SCALE_MODE: tl.constexpr,
-    FP8_MAX: tl.constexpr,
-    INV_SQRT_G: tl.constexpr,
-):
-    """y[row] = the compress kernel's y (H(x) / sqrt(G) with ASH, else x) in fp32, zero-padded to whole groups,
-    NaN over every group that holds a NaN or an Inf: what another encoder (Transformer Engine's cast) quantizes."""
-    pid = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
-    groups = pid * BLOCK_G + tl.arange(0, BLOCK_G)
-    offsets = groups.to(tl.int64)[:, None] * G + tl.arange(0, G)[None, :]
-    x = tl.load(x_ptr + row * x_row_stride + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
-    y, _, _, nonfinite = _transform_and_amax(x, eps, G, LOG2G, BLOCK_G, ASH, SCALE_MODE, FP8_MAX, INV_SQRT_G)
-    y = tl.where(nonfinite[:, None], float("nan"), y)
-    tl.store(y_ptr + row * n_groups * G + offsets, y, mask=(groups < n_groups)[:, None])
+    y, _, amax, nonfinite = _transform_and_amax(x, eps, G, LOG2G, BLOCK_G, ASH, SCALE_MODE, FP8_MAX, INV_SQRT_G)
+    if WRITE_Y:
+        y = tl.where(nonfinite[:, None], float("nan"), y)
+        tl.store(out_ptr + row * n_groups * G + offsets, y, mask=(groups < n_groups)[:, None])
+    else:
+        tl.store(out_ptr + row * n_groups + groups, amax, mask=groups < n_groups)
 
 
 @triton.jit
@@ -522,8 +504,15 @@ def compress_rows(x: torch.Tensor, out: torch.Tensor, settings: CodecSettings, s
     row_amax = x  # a placeholder pointer: read only by scales="e4m3"
     if settings.scales == "e4m3":  # first pass: every group's max, then the row's
         group_amax = torch.empty(rows, n_groups, dtype=torch.float32, device=x.device)
-        _group_amax_kernel[grid](
-            x, group_amax, x.stride(0), numel, n_groups, settings.eps, **_common(settings, launch, x.is_cuda)
+        _first_pass_kernel[grid](
+            x,
+            group_amax,
+            x.stride(0),
+            numel,
+            n_groups,
+            settings.eps,
+            WRITE_Y=False,
+            **_common(settings, launch, x.is_cuda),
         )
         row_amax = group_amax.amax(dim=1)
     _compress_kernel[grid](
@@ -548,8 +537,8 @@ def transform_rows(x: torch.Tensor, y: torch.Tensor, settings: CodecSettings) ->
     rows, numel = x.shape
     n_groups = settings.num_groups(numel)
     common = _common(settings, LAUNCH_CONFIG["compress"], x.is_cuda)
-    _transform_kernel[(max(1, _cdiv(n_groups, common["BLOCK_G"])), rows)](
-        x, y, x.stride(0), numel, n_groups, settings.eps, **common
+    _first_pass_kernel[(max(1, _cdiv(n_groups, common["BLOCK_G"])), rows)](
+        x, y, x.stride(0), numel, n_groups, settings.eps, WRITE_Y=True, **common
     )
 
 
