@@ -35,6 +35,7 @@ import statistics
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
+import yaml
 
 from megatron_taco.config.taco import LinearSettings, TacoConfig
 from megatron_taco.testing.distributed import run_distributed
@@ -42,7 +43,17 @@ from megatron_taco.training.data import byte_text_batches, stdlib_text_files
 from megatron_taco.training.loop import TrainConfig, Trainer
 from megatron_taco.training.model import QWEN_ARCHITECTURE, ModelShape
 
+from .e2e import DETERMINISTIC_CUBLAS
 from .provenance import project_commit
+
+CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
+
+
+def _config_shape(name: str, **changes) -> ModelShape:
+    """The model section of ``configs/NAME.yaml``, with ``changes``."""
+    with open(os.path.join(CONFIGS, f"{name}.yaml")) as f:
+        return dataclasses.replace(ModelShape.from_dict(yaml.safe_load(f)["model"]), **changes)
+
 
 # byte-level text: vocabulary 256 for every shape
 MODELS: Dict[str, ModelShape] = {
@@ -61,34 +72,14 @@ MODELS: Dict[str, ModelShape] = {
         **QWEN_ARCHITECTURE,
     ),
     # configs/gpt-125m.yaml's shape (GPT-3 Small) on the byte-level vocabulary
-    "gpt-125m": ModelShape(
-        num_layers=12,
-        hidden_size=768,
-        num_attention_heads=12,
-        ffn_hidden_size=3072,
-        vocab_size=256,
-        seq_length=2048,
-        tie_embeddings=True,
-    ),
-    # CPU exploration: configs/gpt-tiny.yaml's and configs/qwen-tiny.yaml's sizes
-    "gpt-tiny": ModelShape(
-        num_layers=4, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256, vocab_size=256, seq_length=64
-    ),
-    "qwen-tiny": ModelShape(
-        num_layers=4,
-        hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=2,
-        ffn_hidden_size=192,
-        vocab_size=256,
-        seq_length=64,
-        **QWEN_ARCHITECTURE,
-    ),
+    "gpt-125m": _config_shape("gpt-125m", vocab_size=256),
+    # CPU exploration: configs/gpt-tiny.yaml, and configs/qwen-tiny.yaml with FFN 192 (the config has 128)
+    "gpt-tiny": _config_shape("gpt-tiny"),
+    "qwen-tiny": _config_shape("qwen-tiny", ffn_hidden_size=192),
 }
 # two-sided 95% quantiles of Student's t, by degrees of freedom (1-30); beyond 30 the normal's 1.96 (+ < 2.2%)
 T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131)
 T_975 += (2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-DETERMINISTIC_CUBLAS = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"}
 
 
 def arm_config(arm: str) -> Optional[TacoConfig]:
