@@ -24,7 +24,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron_taco.config.errors import TrainConfigError
 from megatron_taco.megatron.specs import decoder_block_spec, transformer_layer_spec
 
-__all__ = ["QWEN_ARCHITECTURE", "ModelShape", "make_transformer_config", "build_gpt_model"]
+__all__ = ["QWEN_ARCHITECTURE", "ModelShape", "make_transformer_config", "build_gpt_model", "tp_shard", "tp_stride"]
 
 _ACTIVATIONS = {"gelu": (F.gelu, False), "swiglu": (F.silu, True)}
 
@@ -198,8 +198,17 @@ def init_layout_invariant_(model: GPTModel, config: TransformerConfig, seed: int
             std = out_std if global_name.endswith(_OUTPUT_PROJECTIONS) else config.init_method_std
             full = torch.empty(full_shape, device=device).normal_(0.0, std, generator=gen)
         if sharded:
-            gated_fc1 = config.gated_linear_unit and ".linear_fc1." in name
-            stride = 2 if gated_fc1 else getattr(param, "partition_stride", 1)
-            pieces = full.chunk(stride, dim=dim)
-            full = torch.cat([piece.chunk(tp, dim=dim)[tp_rank] for piece in pieces], dim=dim)
+            full = tp_shard(full, dim, tp_stride(config, name, param), tp, tp_rank)
         param.copy_(full.to(param.dtype))
+
+
+def tp_stride(config: TransformerConfig, name: str, param: torch.nn.Parameter) -> int:
+    """How many interleaved pieces Megatron splits ``param`` in for TP: 2 for a gated linear_fc1 ([gate; up])."""
+    if config.gated_linear_unit and ".linear_fc1." in name:
+        return 2
+    return getattr(param, "partition_stride", 1)
+
+
+def tp_shard(full: torch.Tensor, dim: int, stride: int, tp: int, rank: int) -> torch.Tensor:
+    """TP rank ``rank``'s slice of ``full`` along ``dim``: each of ``stride`` pieces split evenly over ``tp``."""
+    return torch.cat([piece.chunk(tp, dim=dim)[rank] for piece in full.chunk(stride, dim=dim)], dim=dim)
