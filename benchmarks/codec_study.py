@@ -166,7 +166,10 @@ def tp2_messages_hooks(trainer, captured: Dict[str, list], record: dict, ranks=(
     from megatron_taco.training.model import tp_shard, tp_stride
 
     config = trainer.config
-    for layer in trainer.model.module.decoder.layers:
+    gpt = trainer.model
+    while not hasattr(gpt, "decoder"):  # under DDP, and Float16Module in bf16
+        gpt = gpt.module
+    for layer in gpt.decoder.layers:
         for name in LINEARS:
             module = getattr(layer.self_attention if name in ("linear_qkv", "linear_proj") else layer.mlp, name)
             label = f"layer {layer.layer_number} {name}"
