@@ -278,7 +278,13 @@ def main() -> None:
     parser.add_argument("--train-steps", type=int, default=60)
     parser.add_argument("--micro-batch-size", type=int, default=8)
     parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--from-json", help="write --out from a results .json of an earlier run (no training)")
     args = parser.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f:
+            _write_report(json.load(f), args.out, rendered_at=project_commit())
+        print(f"wrote {args.out}")
+        return
     device = "cuda" if args.model != "study" and torch.cuda.is_available() else "cpu"
 
     gen = torch.Generator().manual_seed(args.seed)
@@ -312,14 +318,34 @@ def main() -> None:
         rows.append((input_name, "per-tensor FP8 (TE current scaling)", 0, *_errors(PerTensorFP8(), x)))
         print(f"  {input_name}: done", flush=True)
 
-    peaks = {name: _peak_to_rms(x) for name, x in inputs.items()}
-    _write_report(args, rows, inputs, losses, peaks, parameters)
+    import megatron.core
+    import triton
+
+    machine = (
+        f"{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}"
+        if device == "cuda"
+        else f"{platform.machine()} CPU ({os.cpu_count()} cores)"
+    )
+    results = dict(
+        args={k: getattr(args, k) for k in ("model", "train_steps", "micro_batch_size", "seed")},
+        commit=project_commit(),
+        date=datetime.date.today().isoformat(),
+        machine=f"{machine}, Python {platform.python_version()}, torch {torch.__version__}, megatron-core "
+        f"{megatron.core.__version__}, triton {triton.__version__}",
+        on_gpu=device == "cuda",
+        losses=losses,
+        parameters=parameters,
+        shapes={name: list(x.shape) for name, x in inputs.items()},
+        peak_to_rms={name: _peak_to_rms(x) for name, x in inputs.items()},
+        rows=rows,
+    )
     with open(os.path.splitext(args.out)[0] + ".json", "w") as f:
-        json.dump(dict(rows=rows, peak_to_rms=peaks, losses=losses, parameters=parameters), f)
+        json.dump(results, f)
+    _write_report(results, args.out)
     print(f"wrote {args.out}")
 
 
-def _summary(rows, inputs) -> List[str]:
+def _summary(rows) -> List[str]:
     """Mean relative error per (variant, G) over the real traffic tensors and over all inputs."""
     lines = [
         "| variant | G | ratio vs bf16 | rel. L2, real TP traffic | rel. L2, synthetic | small-half rel. L2, real | "
@@ -364,9 +390,10 @@ def _conclusions(rows) -> List[str]:
         f"- G: smaller groups lower the error (real traffic {real(folded, 32):.4f} at G=32 to {real(folded, 256):.4f} at "
         f"G=256) and cost ratio (G=64: {ratio64:.3f}x); G=128 is the smallest G with ratio >= 1.9x.",
         f"- E5M2 doubles the error ({real('TACO folded, E5M2', 128):.4f}): E4M3 stays the default.",
-        f"- **Finding on the Hadamard**: on these inputs it does not lower the error of FP8. Real traffic rel. L2 at G=128: "
+        f"- **Finding on the Hadamard**: on this traffic it {_lowers(real(folded, 128), real(plain, 128))} the "
+        f"error of FP8. Real traffic rel. L2 at G=128: "
         f"ASH {real(folded, 128):.4f}, plain group FP8 {real(plain, 128):.4f}. On the near-zero half of the values it "
-        f"is worse: {real(folded, 128, 4):.4f} vs {real(plain, 128, 4):.4f} on real traffic, {synth(folded, 128):.3f} vs "
+        f"is {'better' if real(folded, 128, 4) < real(plain, 128, 4) else 'worse'}: {real(folded, 128, 4):.4f} vs {real(plain, 128, 4):.4f} on real traffic, {synth(folded, 128):.3f} vs "
         f"{synth(plain, 128):.4f} on the synthetic inputs (driven by the outlier-channel input: the Hadamard spreads an "
         f"outlier's rounding error over every value of its group, while FP8's log grid already keeps small values). "
         f"INT8 shows the zero collapse the paper describes ({100 * real('group INT8', 128, 5):.2f}% of non-zero real "
@@ -374,6 +401,13 @@ def _conclusions(rows) -> List[str]:
         f"(`--taco-mode fp8-ash` / `fp8`); the end-to-end loss study decides between them.",
         *_four_bit_conclusions(rows),
     ]
+
+
+def _lowers(with_it: float, without: float) -> str:
+    """How an error with a transform compares with the error without it (1% either way counts as the same)."""
+    if with_it < 0.99 * without:
+        return "lowers"
+    return "does not change" if with_it <= 1.01 * without else "does not lower"
 
 
 def _four_bit_conclusions(rows) -> List[str]:
@@ -390,9 +424,10 @@ def _four_bit_conclusions(rows) -> List[str]:
         "INT4, no Hadamard",
     )
     return [
-        f"- **4-bit** (`--taco-mode fp4-ash` / `fp4` / `int4-ash` / `int4`), G=128, real traffic: the Hadamard does "
-        f"not lower the mean error (FP4 E2M1 {real(fp4, 128):.4f} with it, {real(fp4_plain, 128):.4f} without; INT4 "
-        f"{real(int4, 128):.4f} / {real(int4_plain, 128):.4f}), but without it {100 * real(fp4_plain, 128, 5):.1f}% "
+        f"- **4-bit** (`--taco-mode fp4-ash` / `fp4` / `int4-ash` / `int4`), G=128, real traffic: the Hadamard "
+        f"{_lowers(real(fp4, 128), real(fp4_plain, 128))} the mean error of FP4 E2M1 ({real(fp4, 128):.4f} with it, "
+        f"{real(fp4_plain, 128):.4f} without) and {_lowers(real(int4, 128), real(int4_plain, 128))} INT4's "
+        f"({real(int4, 128):.4f} / {real(int4_plain, 128):.4f}); without it {100 * real(fp4_plain, 128, 5):.1f}% "
         f"(FP4) and {100 * real(int4_plain, 128, 5):.1f}% (INT4) of the non-zero values decode to 0 "
         f"(with it {100 * real(fp4, 128, 5):.1f}% and {100 * real(int4, 128, 5):.1f}%), and the worst input's error "
         f"(the outlier and heavy-tail ones) is {worst(fp4_plain, 128):.4f} / {worst(int4_plain, 128):.4f} without it "
@@ -435,16 +470,11 @@ def _by_message_kind(rows, peaks) -> List[str]:
     return lines
 
 
-def _write_report(args, rows, inputs, losses, peaks, parameters) -> None:
-    import megatron.core
-    import triton
-
-    on_gpu = next(iter(inputs.values())).is_cuda
-    machine = (
-        f"{torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}"
-        if on_gpu
-        else f"{platform.machine()} CPU ({os.cpu_count()} cores)"
-    )
+def _write_report(results: dict, out: str, rendered_at: str = "") -> None:
+    """The markdown report of ``results`` (what ``main`` measured, as saved in the .json beside it)."""
+    args = argparse.Namespace(out=out, **results["args"])
+    rows, losses, peaks, parameters = results["rows"], results["losses"], results["peak_to_rms"], results["parameters"]
+    on_gpu = results["on_gpu"]
     if args.model == "study":
         command = f"--out {args.out} --train-steps {args.train_steps} --seed {args.seed}"
         traffic = [
@@ -482,14 +512,14 @@ def _write_report(args, rows, inputs, losses, peaks, parameters) -> None:
         + (f" on a {'GPU' if on_gpu else 'CPU'}-trained {args.model}" if args.model != "study" else ""),
         "",
         f"- Command: `python -m benchmarks.codec_study {command}`",
-        f"- Commit: {project_commit()}",
-        f"- Date: {datetime.date.today().isoformat()}; machine: {machine}, Python {platform.python_version()}, "
-        f"torch {torch.__version__}, megatron-core {megatron.core.__version__}, triton {triton.__version__}",
+        f"- Commit: {results['commit']}"
+        + (f" (this report written from its .json at {rendered_at})" if rendered_at else ""),
+        f"- Date: {results['date']}; machine: {results['machine']}",
         "- Codec path: the torch reference (the Triton kernels write the same bytes, see tests/test_kernels.py and "
         "tests/test_codec_4bit.py)"
         + ("; rows named 'Triton kernels' / 'TE cast' ran those backends." if on_gpu else "."),
         *traffic,
-        f"- Synthetic inputs: 256 x 4096 fp32 each ({', '.join(n for n in inputs if not n.startswith('real'))}).",
+        f"- Synthetic inputs: 256 x 4096 fp32 each ({', '.join(n for n in peaks if not n.startswith('real'))}).",
         "- Metrics: relative L2 error ||x' - x|| / ||x||; small-half rel. L2 = the same over the elements with "
         "|x| <= median |x| (the near-zero mass); zero collapse = share of non-zero inputs decoded to exactly 0; "
         "max error = max|x' - x| / max|x|; ratio = bf16 bytes / message bytes (header and scales included); "
@@ -506,7 +536,7 @@ def _write_report(args, rows, inputs, losses, peaks, parameters) -> None:
         "",
         "## Summary (mean over inputs)",
         "",
-        *_summary(rows, inputs),
+        *_summary(rows),
         "",
         "## Every input" + ("" if args.model == "study" else ", G=128 (every G: the .json beside this file)"),
         "",
@@ -517,7 +547,7 @@ def _write_report(args, rows, inputs, losses, peaks, parameters) -> None:
     for input_name, variant, group, rel, rel_small, collapse, max_err, ratio, bias in rows:
         if args.model != "study" and group not in (0, 128):
             continue
-        shape = "x".join(str(s) for s in inputs[input_name].shape)
+        shape = "x".join(str(s) for s in results["shapes"][input_name])
         lines.append(
             f"| {input_name} | {shape} | {peaks[input_name]:.1f} | {variant} | {group or '-'} | {rel:.4f} | "
             f"{rel_small:.4f} | {100 * collapse:.2f}% | {max_err:.4f} | {ratio:.3f} | {bias:+.1e} |"
