@@ -483,7 +483,7 @@ def _write_report(results: dict, out: str, rendered_at: str = "") -> None:
             f"steps on byte-level Python stdlib text (loss {losses[0]:.3f} -> {losses[-1]:.3f}); forward messages "
             "of TP rank 0 at the last step (all-gather: inputs of linear_qkv / linear_fc1; reduce-scatter: partial "
             "outputs of linear_proj / linear_fc2).",
-            "- Real traffic here is a small CPU-trained model's; `codec_error_gpu.md` has a GPU-trained 125M model's, "
+            "- Real traffic here is a small CPU-trained model's; `codec_error_gpu.md` has a GPU-trained 152M-parameter model's, "
             "forward and backward.",
         ]
     else:
