@@ -1,0 +1,270 @@
+"""MAPL's boundary inside one process: pipeline-boundary quality on one GPU (an exploration tool for leads).
+
+    python -m benchmarks.mapl_loopback --variants 'none;8x;8x+subspace' --seeds 5 --steps 1500 \\
+        --parallel 8 --json benchmarks/results/mapl_loopback.json
+
+The model is the PP=2 study's (``mapl_quality.py``: GPT 8 layers, hidden 512, byte-level text) built with
+PP=1; after layer 4 (where PP=2 puts its boundary) the hidden states go through MAPL's own
+``BoundaryCodec`` and back: h -> z = (h - a(t)) U (bf16, the wire) -> z U^T + a(t). One codec serves both
+ends, so autograd sums the two ends' gradients of U and of the anchors, which is what PP=2 does across its
+pair of replicas (``MaplSync.finalize_grads``); U takes the same manifold step (``StiefelMomentumSGD``) with
+the learning-rate schedule's factor. Not the same as PP=2 in two ways: the anchors count once in the
+gradient-norm clip (PP=2 has a replica on each stage), and there is no VQ here.
+
+Variants: ``none`` (stock), ``R x`` (MAPL at ratio R, the shipped defaults: anchor rank 64, position
+anchors, anchors from the embedding), ``+subspace`` (the lead of the MAPL issue: every layer before the
+boundary writes its update through U, and the embedding enters as a(t) plus its part in U's span, so h - a(t)
+stays in span(U) and the boundary drops nothing; the layers before it work in an r-dimensional stream
+beside the anchors). Results are resumable (``--json``); the report gives each variant's mean validation
+loss and the paired 95% interval of its difference to ``none`` over the seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import List, Optional
+
+import torch
+
+from megatron_taco.config.mapl import MaplConfig
+from megatron_taco.mapl.anchor_init import start_anchors_from_embedding
+from megatron_taco.mapl.boundary import BoundaryCodec
+from megatron_taco.mapl.stiefel import StiefelMomentumSGD
+from megatron_taco.testing.distributed import run_distributed
+
+from .loss_compare import paired_interval
+from .mapl_quality import MODEL
+from .provenance import project_commit
+
+BOUNDARY_LAYER = MODEL.num_layers // 2  # PP=2's boundary: after this many layers
+
+
+class LoopbackBoundary(torch.nn.Module):
+    """A MAPL boundary after decoder layer ``layer`` of a PP=1 GPTModel (a submodule of it, so Megatron's
+    optimizer trains the anchors like any parameter); ``subspace``: the layers before it write through U."""
+
+    def __init__(self, model: torch.nn.Module, codec: BoundaryCodec, layer: int, subspace: bool) -> None:
+        super().__init__()
+        self.codec = codec
+        self._ids = None
+        model.add_module("mapl_loopback", self)
+        model.register_forward_pre_hook(self._remember_ids)
+        model.decoder.layers[layer - 1].register_forward_hook(self._through_boundary)
+        if subspace:
+            model.embedding.register_forward_hook(self._embedding_into_span)
+            for index in range(layer):
+                model.decoder.layers[index].register_forward_hook(self._update_through_span, with_kwargs=True)
+
+    def _remember_ids(self, module, args) -> None:
+        tokens, positions = args[0], args[1]  # [b, s]
+        self._ids = (tokens.t(), positions.t() if self.codec.positions else None)
+
+    def _in_span(self, x: torch.Tensor) -> torch.Tensor:
+        u = self.codec.projection
+        return (x.float() @ u) @ u.t()
+
+    def _embedding_into_span(self, module, args, output: torch.Tensor) -> torch.Tensor:
+        anchors = self.codec._anchors(*self._ids, None)
+        return (anchors + self._in_span(output.float() - anchors)).to(output.dtype)
+
+    def _update_through_span(self, module, args, kwargs, output):
+        hidden_in = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        hidden_out = output[0] if isinstance(output, tuple) else output
+        hidden = (hidden_in.float() + self._in_span(hidden_out.float() - hidden_in.float())).to(hidden_out.dtype)
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+    def _through_boundary(self, module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        tokens, positions = self._ids
+        wire = self.codec.project(hidden, tokens, positions)  # in the hidden states' dtype, like the P2P message
+        hidden = self.codec.reconstruct(wire, tokens, hidden.dtype, positions)
+        return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+
+def _parse(variant: str):
+    """'none' -> None; 'Rx[+subspace]' -> (ratio, subspace)."""
+    if variant == "none":
+        return None
+    ratio, _, extra = variant.partition("+")
+    if not ratio.endswith("x") or extra not in ("", "subspace"):
+        raise ValueError(f"variant {variant!r}: expected none, Rx or Rx+subspace")
+    return float(ratio[:-1]), extra == "subspace"
+
+
+def _run(variant: str, seed: int, steps: int, lr: float, warmup: int, eval_iters: int) -> dict:
+    """One run on this process: training losses and the final validation loss."""
+    from megatron_taco.training import loop
+    from megatron_taco.training.data import byte_text_batches, stdlib_text_files
+    from megatron_taco.training.loop import TrainConfig, Trainer
+
+    parsed = _parse(variant)
+    defaults = MaplConfig(ratio=parsed[0]) if parsed else None
+    state = {}
+    build = loop.build_gpt_model
+
+    def build_with_boundary(*args, **kwargs):
+        model = build(*args, **kwargs)
+        if defaults is not None:
+            codec = BoundaryCodec(
+                hidden_size=MODEL.hidden_size,
+                rank=defaults.wire_rank(MODEL.hidden_size, 0),
+                vocab_size=model.vocab_size,
+                anchor_rank=defaults.anchor_rank,
+                seed=kwargs.get("seed", 0),
+                boundary=0,
+                positions=model.max_sequence_length if defaults.anchors_positions(MODEL.position_embedding) else 0,
+            ).to(next(model.parameters()).device)
+            start_anchors_from_embedding([model], [codec])
+            state["boundary"] = LoopbackBoundary(model, codec, BOUNDARY_LAYER, subspace=parsed[1])
+        return model
+
+    loop.build_gpt_model = build_with_boundary
+    try:
+        cfg = TrainConfig(
+            MODEL,
+            micro_batch_size=4,
+            num_microbatches=4,
+            dtype="bf16" if torch.cuda.is_available() else "fp32",
+            lr=lr,
+            lr_warmup_iters=warmup,
+            lr_decay_style="cosine",
+            lr_decay_iters=steps,
+            min_lr=lr / 10,
+            seed=1234 + seed,
+        )
+        trainer = Trainer(cfg)
+    finally:
+        loop.build_gpt_model = build
+    codec = state["boundary"].codec if state else None
+    manifold = (
+        StiefelMomentumSGD([codec.projection], lr=defaults.lr, momentum=defaults.momentum,
+                           buffers=[codec.projection_momentum])
+        if codec is not None else None
+    )  # fmt: skip
+    parameters = sum(p.numel() for p in trainer.model.parameters())
+    train_files, valid_files = stdlib_text_files()
+    data = byte_text_batches(train_files, MODEL.seq_length, 4, seed=1 + seed)
+    losses = []
+    for step in range(1, steps + 1):
+        if step % 250 == 0:
+            print(f"  {variant} | seed {seed}: step {step}/{steps}, train loss {losses[-1]:.4f}", flush=True)
+        lr_now = trainer.lr  # this step's learning rate (the schedule moves on inside train_step)
+        losses.append(trainer.train_step(data)["loss"])
+        if manifold is not None:  # U follows the learning-rate schedule, as in the trainer
+            manifold.step([codec.projection.grad], lr_scale=lr_now / lr)
+            codec.projection.grad = None
+    valid = trainer.evaluate(byte_text_batches(valid_files, MODEL.seq_length, 4, seed=2), eval_iters)
+    trainer.close()
+    return dict(train=losses, valid=valid, parameters=parameters)
+
+
+def report(args, results: dict) -> List[str]:
+    runs = results["runs"]
+    variants = args.variants.split(";")
+    base = variants[0]
+    lines = [
+        "# MAPL boundary quality in one process (PP=1 loopback, one GPU)",
+        "",
+        f"- Command: `python -m benchmarks.mapl_loopback {' '.join(args.argv)}`",
+        f"- Commit: {results.get('commit')}; date: {results.get('date')}; hardware: {results.get('hardware')}",
+        f"- Model: GPT {MODEL.num_layers} layers, hidden {MODEL.hidden_size}, FFN {MODEL.ffn_hidden_size}, seq "
+        f"{MODEL.seq_length}, byte-level vocabulary, bf16; MAPL boundary after layer {BOUNDARY_LAYER} (PP=2's); "
+        f"{args.steps} steps of 4 x 4 sequences, Adam lr {args.lr} with {args.warmup} warm-up steps and cosine "
+        f"decay to {args.lr / 10:g}; Python stdlib text, validation on held-out files ({args.eval_iters} batches).",
+        "- Seeds: seed s sets the initialisation (1234 + s) and the data order (1 + s); the same seeds on every "
+        "variant, so differences are paired.",
+        "- An exploration tool: the headline rows of the MAPL issue need PP=2 on GPUs.",
+        "",
+        f"| variant | parameters | seeds | validation loss, mean (sd) | vs {base}: mean difference | 95% interval |",
+        "|---|---|---|---|---|---|",
+    ]
+    for variant in variants:
+        seeds = sorted(int(k.split("seed ")[1]) for k in runs if k.startswith(f"{variant} | "))
+        if not seeds:
+            continue
+        valid = [runs[f"{variant} | seed {s}"]["valid"] for s in seeds]
+        sd = f"{statistics.stdev(valid):.4f}" if len(valid) > 1 else "-"
+        paired = [s for s in seeds if f"{base} | seed {s}" in runs]
+        diff = [
+            100 * (runs[f"{variant} | seed {s}"]["valid"] / runs[f"{base} | seed {s}"]["valid"] - 1) for s in paired
+        ]
+        if variant == base or not diff:
+            cells = "-", "-"
+        else:
+            mean, _, low, high = paired_interval(diff)
+            cells = f"{mean:+.2f}%", "-" if low != low else f"[{low:+.2f}%, {high:+.2f}%]"
+        count = runs[f"{variant} | seed {seeds[0]}"]["parameters"]
+        lines.append(
+            f"| {variant} | {count:,} | {len(seeds)} | {statistics.mean(valid):.4f} ({sd}) | {cells[0]} | {cells[1]} |"
+        )
+    return lines
+
+
+def main(argv: Optional[List[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--variants", default="none;8x;8x+subspace;16x;16x+subspace", help="';'-separated")
+    parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--warmup", type=int, default=100)
+    parser.add_argument("--eval-iters", type=int, default=20)
+    parser.add_argument("--parallel", type=int, default=1, help="runs at a time (processes on the one GPU)")
+    parser.add_argument("--json", required=True, help="results so far (read to resume, rewritten after every run)")
+    args = parser.parse_args(argv)
+    args.argv = argv if argv is not None else __import__("sys").argv[1:]
+    for variant in args.variants.split(";"):
+        try:
+            _parse(variant)
+        except ValueError as exc:
+            parser.error(f"--variants: {exc}")
+    setup = {k: getattr(args, k) for k in ("steps", "lr", "warmup", "eval_iters")}
+    results = {"runs": {}}
+    if os.path.exists(args.json):
+        with open(args.json) as f:
+            results = json.load(f)
+        if results.get("setup") != setup:
+            raise SystemExit(f"{args.json} holds runs of another set-up ({results.get('setup')}); use another --json")
+    on_gpu = torch.cuda.is_available()
+    results.update(
+        setup=setup,
+        date=datetime.date.today().isoformat(),
+        commit=project_commit(),
+        hardware=torch.cuda.get_device_name(0) if on_gpu else f"CPU ({os.cpu_count()} cores)",
+    )
+    report_path = os.path.splitext(args.json)[0] + ".md"
+
+    def save():
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+        with open(report_path, "w") as f:
+            f.write("\n".join(report(args, results)) + "\n")
+
+    todo = [
+        (v, s) for s in range(args.seeds) for v in args.variants.split(";") if f"{v} | seed {s}" not in results["runs"]
+    ]
+    print(f"mapl_loopback: {len(todo)} runs to train", flush=True)
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        futures = {
+            pool.submit(
+                run_distributed, _run, 1, v, s, args.steps, args.lr, args.warmup, args.eval_iters,
+                backend="nccl" if on_gpu else "gloo", timeout=24 * 3600,
+            ): (v, s)
+            for v, s in todo
+        }  # fmt: skip
+        for future in as_completed(futures):
+            v, s = futures[future]
+            run = future.result()[0]
+            results["runs"][f"{v} | seed {s}"] = run
+            print(f"  {v} | seed {s}: final train {run['train'][-1]:.4f} valid {run['valid']:.4f}", flush=True)
+            save()
+    save()
+    print("\n".join(report(args, results)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
