@@ -108,7 +108,8 @@ def _run(variant: str, seed: int, steps: int, lr: float, warmup: int, eval_iters
     build = loop.build_gpt_model
 
     def build_with_boundary(*args, **kwargs):
-        model = build(*args, **kwargs)
+        # on its device first: megatron-core builds the word embedding there and the positions on the CPU
+        model = build(*args, **kwargs).to(loop._device())
         if defaults is not None:
             codec = BoundaryCodec(
                 hidden_size=MODEL.hidden_size,
@@ -118,7 +119,7 @@ def _run(variant: str, seed: int, steps: int, lr: float, warmup: int, eval_iters
                 seed=kwargs.get("seed", 0),
                 boundary=0,
                 positions=model.max_sequence_length if defaults.anchors_positions(MODEL.position_embedding) else 0,
-            ).to(next(model.parameters()).device)
+            ).to(loop._device())
             start_anchors_from_embedding([model], [codec])
             state["boundary"] = LoopbackBoundary(model, codec, BOUNDARY_LAYER, subspace=parsed[1])
         return model
@@ -258,7 +259,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         }  # fmt: skip
         for future in as_completed(futures):
             v, s = futures[future]
-            run = future.result()[0]
+            try:
+                run = future.result()[0]
+            except Exception as exc:  # the other runs go on; this one is reported and left to a re-run
+                print(f"  {v} | seed {s}: FAILED: {exc}", flush=True)
+                continue
             results["runs"][f"{v} | seed {s}"] = run
             print(f"  {v} | seed {s}: final train {run['train'][-1]:.4f} valid {run['valid']:.4f}", flush=True)
             save()
