@@ -151,6 +151,9 @@ def test_two_ranks_with_different_backends_exchange_correct_messages(monkeypatch
     monkeypatch.setenv("TACO_TEST_START_METHOD", "spawn")
     results = run_distributed(_mixed_backends_worker, 2, ["te", "triton"], backend="nccl", timeout=300)
     for result in results:
-        # TE's scales differ from Triton's by at most one ulp: the results agree to ~1e-7 relative
-        assert result["all-gather"] < 1e-6 and result["reduce-scatter"] < 1e-6 and result["all-reduce"] < 1e-5, result
+        # TE's scales differ from Triton's by at most one ulp, so a few values on a rounding boundary get the
+        # neighbouring FP8 code: measured on 2 x H200 (5b3dece) 6.5e-6 / 7.9e-6 / 1.4e-4 relative to the all-Triton
+        # run (the all-reduce compresses twice), against the codec's own error of ~2.6e-2; bounds ~1.3x those
+        assert result["all-gather"] < 8.5e-6 and result["reduce-scatter"] < 1.05e-5, result
+        assert result["all-reduce"] < 1.8e-4, result
         assert result["all-reduce identical on every rank"], result
