@@ -8,8 +8,9 @@ PP=1; after layer 4 (where PP=2 puts its boundary) the hidden states go through 
 ``BoundaryCodec`` and back: h -> z = (h - a(t)) U (bf16, the wire) -> z U^T + a(t). One codec serves both
 ends, so autograd sums the two ends' gradients of U and of the anchors, which is what PP=2 does across its
 pair of replicas (``MaplSync.finalize_grads``); U takes the same manifold step (``StiefelMomentumSGD``) with
-the learning-rate schedule's factor. Not the same as PP=2 in two ways: the anchors count once in the
-gradient-norm clip (PP=2 has a replica on each stage), and there is no VQ here.
+the learning-rate schedule's factor. With gradient clipping off, a PP=2 run and this one give the same
+losses to 5e-8 relative (``tests/test_mapl_loopback.py``, fp32 on CPU). Where they differ: the anchors count
+once in the gradient-norm clip (PP=2 has a replica on each stage), and there is no VQ here.
 
 Variants: ``none`` (stock), ``R x`` (MAPL at ratio R, the shipped defaults: anchor rank 64, position
 anchors, anchors from the embedding), ``+subspace`` (the lead of the MAPL issue: every layer before the
@@ -36,6 +37,7 @@ from megatron_taco.mapl.anchor_init import start_anchors_from_embedding
 from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stiefel import StiefelMomentumSGD
 from megatron_taco.testing.distributed import run_distributed
+from megatron_taco.training.model import ModelShape
 
 from .loss_compare import paired_interval
 from .mapl_quality import MODEL
@@ -96,14 +98,36 @@ def _parse(variant: str):
     return float(ratio[:-1]), extra == "subspace"
 
 
-def _run(variant: str, seed: int, steps: int, lr: float, warmup: int, eval_iters: int) -> dict:
-    """One run on this process: training losses and the final validation loss."""
+def train_config(shape: ModelShape, seed: int, steps: int, lr: float, warmup: int, micro_batch_size: int = 4,
+                 micro_batches: int = 4, clip_grad: float = 1.0):  # fmt: skip
+    """The run's TrainConfig at PP=1 (a PP=2 twin: ``dataclasses.replace(cfg, pipeline_parallel=2, mapl=...)``)."""
+    from megatron_taco.training.loop import TrainConfig
+
+    return TrainConfig(
+        shape,
+        micro_batch_size=micro_batch_size,
+        num_microbatches=micro_batches,
+        dtype="bf16" if torch.cuda.is_available() else "fp32",
+        lr=lr,
+        lr_warmup_iters=warmup,
+        lr_decay_style="cosine",
+        lr_decay_iters=steps,
+        min_lr=lr / 10,
+        clip_grad=clip_grad,
+        seed=1234 + seed,
+    )
+
+
+def train_loopback(cfg, variant: str, steps: int, data_seed: int, eval_iters: int, label: str = "") -> dict:
+    """Train ``cfg`` (PP=1) with ``variant``'s boundary after half the layers: training losses, final
+    validation loss, parameter count."""
     from megatron_taco.training import loop
     from megatron_taco.training.data import byte_text_batches, stdlib_text_files
-    from megatron_taco.training.loop import TrainConfig, Trainer
+    from megatron_taco.training.loop import Trainer
 
     parsed = _parse(variant)
     defaults = MaplConfig(ratio=parsed[0]) if parsed else None
+    shape = cfg.shape
     state = {}
     build = loop.build_gpt_model
 
@@ -111,33 +135,21 @@ def _run(variant: str, seed: int, steps: int, lr: float, warmup: int, eval_iters
         # on its device first: megatron-core builds the word embedding there and the positions on the CPU
         model = build(*args, **kwargs).to(loop._device())
         if defaults is not None:
-            codec = BoundaryCodec(
-                hidden_size=MODEL.hidden_size,
-                rank=defaults.wire_rank(MODEL.hidden_size, 0),
+            codec = BoundaryCodec(  # as attach_mapl builds boundary 0 of a PP=2 run
+                hidden_size=shape.hidden_size,
+                rank=defaults.wire_rank(shape.hidden_size, 0),
                 vocab_size=model.vocab_size,
                 anchor_rank=defaults.anchor_rank,
                 seed=kwargs.get("seed", 0),
                 boundary=0,
-                positions=model.max_sequence_length if defaults.anchors_positions(MODEL.position_embedding) else 0,
+                positions=model.max_sequence_length if defaults.anchors_positions(shape.position_embedding) else 0,
             ).to(loop._device())
             start_anchors_from_embedding([model], [codec])
-            state["boundary"] = LoopbackBoundary(model, codec, BOUNDARY_LAYER, subspace=parsed[1])
+            state["boundary"] = LoopbackBoundary(model, codec, shape.num_layers // 2, subspace=parsed[1])
         return model
 
     loop.build_gpt_model = build_with_boundary
     try:
-        cfg = TrainConfig(
-            MODEL,
-            micro_batch_size=4,
-            num_microbatches=4,
-            dtype="bf16" if torch.cuda.is_available() else "fp32",
-            lr=lr,
-            lr_warmup_iters=warmup,
-            lr_decay_style="cosine",
-            lr_decay_iters=steps,
-            min_lr=lr / 10,
-            seed=1234 + seed,
-        )
         trainer = Trainer(cfg)
     finally:
         loop.build_gpt_model = build
@@ -149,19 +161,28 @@ def _run(variant: str, seed: int, steps: int, lr: float, warmup: int, eval_iters
     )  # fmt: skip
     parameters = sum(p.numel() for p in trainer.model.parameters())
     train_files, valid_files = stdlib_text_files()
-    data = byte_text_batches(train_files, MODEL.seq_length, 4, seed=1 + seed)
+    mbs = cfg.micro_batch_size
+    data = byte_text_batches(train_files, shape.seq_length, mbs, seed=data_seed)
     losses = []
     for step in range(1, steps + 1):
         if step % 250 == 0:
-            print(f"  {variant} | seed {seed}: step {step}/{steps}, train loss {losses[-1]:.4f}", flush=True)
+            print(f"  {label}: step {step}/{steps}, train loss {losses[-1]:.4f}", flush=True)
         lr_now = trainer.lr  # this step's learning rate (the schedule moves on inside train_step)
         losses.append(trainer.train_step(data)["loss"])
         if manifold is not None:  # U follows the learning-rate schedule, as in the trainer
-            manifold.step([codec.projection.grad], lr_scale=lr_now / lr)
+            manifold.step([codec.projection.grad], lr_scale=lr_now / cfg.lr)
             codec.projection.grad = None
-    valid = trainer.evaluate(byte_text_batches(valid_files, MODEL.seq_length, 4, seed=2), eval_iters)
+    valid = trainer.evaluate(byte_text_batches(valid_files, shape.seq_length, mbs, seed=2), eval_iters)
     trainer.close()
     return dict(train=losses, valid=valid, parameters=parameters)
+
+
+def _run(variant: str, seed: int, steps: int, lr: float, warmup: int, eval_iters: int) -> dict:
+    """One run of the study on this process."""
+    cfg = train_config(MODEL, seed, steps, lr, warmup)
+    return train_loopback(
+        cfg, variant, steps, data_seed=1 + seed, eval_iters=eval_iters, label=f"{variant} | seed {seed}"
+    )
 
 
 def report(args, results: dict) -> List[str]:
