@@ -253,6 +253,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         with open(report_path, "w") as f:
             f.write("\n".join(report(args, results)) + "\n")
 
+    if args.device == "cuda":  # CUDA is initialised here (the GPU's name), so ranks start fresh, not forked
+        os.environ.setdefault("TACO_TEST_START_METHOD", "spawn")
     todo = [(arm, seed) for seed in range(args.seeds) for arm in arms if _key(arm, seed) not in results["runs"]]
     print(f"loss_compare: {len(todo)} runs to train ({len(results['runs'])} already in {args.json})", flush=True)
     save()

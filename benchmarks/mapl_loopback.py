@@ -259,6 +259,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         hardware=torch.cuda.get_device_name(0) if on_gpu else f"CPU ({os.cpu_count()} cores)",
     )
     report_path = os.path.splitext(args.json)[0] + ".md"
+    if on_gpu:  # CUDA is initialised here (the GPU's name), so runs start fresh, not forked
+        os.environ.setdefault("TACO_TEST_START_METHOD", "spawn")
 
     def save():
         with open(args.json, "w") as f:
