@@ -128,7 +128,7 @@ def _capture_tp_traffic(steps: int, seed: int):
     record = {"on": False}
     for layer in trainer.model.module.decoder.layers:
         for name in LINEARS:
-            module = getattr(layer.self_attention if name in ("linear_qkv", "linear_proj") else layer.mlp, name)
+            module = layer_linear(layer, name)
             label = f"layer {layer.layer_number} {name}"
 
             def pre_hook(mod, inputs, label=label, name=name):
@@ -148,6 +148,11 @@ def _capture_tp_traffic(steps: int, seed: int):
 
 LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")  # column, row, column, row
 COLUMN_PARALLEL = ("linear_qkv", "linear_fc1")
+
+
+def layer_linear(layer: torch.nn.Module, name: str) -> torch.nn.Module:
+    """One of a TransformerLayer's ``LINEARS``: the attention's (qkv, proj) or the MLP's (fc1, fc2)."""
+    return getattr(layer.self_attention if name in ("linear_qkv", "linear_proj") else layer.mlp, name)
 
 
 def tp2_messages_hooks(trainer, captured: Dict[str, list], record: dict, ranks=(0,)) -> None:
@@ -171,7 +176,7 @@ def tp2_messages_hooks(trainer, captured: Dict[str, list], record: dict, ranks=(
         gpt = gpt.module
     for layer in gpt.decoder.layers:
         for name in LINEARS:
-            module = getattr(layer.self_attention if name in ("linear_qkv", "linear_proj") else layer.mlp, name)
+            module = layer_linear(layer, name)
             label = f"layer {layer.layer_number} {name}"
             stride = tp_stride(config, f".{name}.", module.weight)
 

@@ -9,7 +9,7 @@ from typing import Dict, List
 import pytest
 import torch
 
-from benchmarks.codec_study import COLUMN_PARALLEL, LINEARS, capture_tp1_as_tp2
+from benchmarks.codec_study import COLUMN_PARALLEL, LINEARS, capture_tp1_as_tp2, layer_linear
 from megatron_taco.testing.distributed import run_distributed
 
 SEED = 7
@@ -53,7 +53,7 @@ def _sent_by_tp2(model: str) -> Dict[str, torch.Tensor]:
         trainer = Trainer(cfg)
         for layer in trainer.model.module.decoder.layers:
             for name in LINEARS:
-                module = getattr(layer.self_attention if name in ("linear_qkv", "linear_proj") else layer.mlp, name)
+                module = layer_linear(layer, name)
                 label = f"layer {layer.layer_number} {name}"
 
                 def pre_hook(mod, inputs, label=label, name=name):
