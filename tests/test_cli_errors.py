@@ -7,6 +7,7 @@ point itself for the exit code and the single line of output from 2 ranks, and f
 """
 
 import os
+import sys
 
 import pytest
 import torch
@@ -103,6 +104,15 @@ def test_a_global_batch_that_does_not_split_into_micro_batches_per_replica_fails
 def test_load_without_a_checkpoint_fails(tmp_path):
     assert _startup_error(["--config", TINY, "--load", str(tmp_path)]) == (
         f"--load {tmp_path}: no checkpoint (missing {tmp_path / 'latest'})"
+    )
+
+
+def test_tensorboard_dir_without_tensorboard_fails_at_start_up(monkeypatch, tmp_path):
+    """Checked on every rank before torch.distributed starts: rank 0 alone stopping at its writer left the other
+    ranks failing with a traceback in their first collective."""
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as where tensorboard is not installed
+    assert _startup_error(["--config", TINY, "--tensorboard-dir", str(tmp_path)]) == (
+        "--tensorboard-dir needs the tensorboard package (pip install tensorboard)"
     )
 
 

@@ -38,7 +38,7 @@ from megatron_taco.codec.taco import describe_backend
 from megatron_taco.config.taco import TacoConfigError, add_taco_args, check_backend_runs_here, taco_config_from_args
 from megatron_taco.megatron.attach import format_ranges
 from megatron_taco.megatron.telemetry import TELEMETRY, TrafficRecord
-from megatron_taco.training.checkpoint import latest_step, load_checkpoint, save_checkpoint
+from megatron_taco.training.checkpoint import check_saved_layout, latest_step, load_checkpoint, save_checkpoint
 from megatron_taco.training.data import byte_text_batches, stdlib_text_files, synthetic_batches
 from megatron_taco.training.loop import LR_DECAY_STYLES, Trainer, TrainConfig, init_distributed
 from megatron_taco.training.model import ModelShape
@@ -315,14 +315,21 @@ def _num_microbatches(args: argparse.Namespace, data_parallel: int) -> int:
     return global_batch // per_step
 
 
+def _check_tensorboard() -> None:
+    """--tensorboard-dir needs the tensorboard package: checked on every rank before any of them starts (a rank
+    that stopped alone at its writer would leave the others failing in their first collective)."""
+    try:
+        import torch.utils.tensorboard  # noqa: F401
+    except ImportError:
+        raise StartupError("--tensorboard-dir needs the tensorboard package (pip install tensorboard)") from None
+
+
 def _tensorboard_writer(directory: Optional[str]):
-    """A SummaryWriter on rank 0 when --tensorboard-dir is given (None otherwise)."""
+    """A SummaryWriter on rank 0 when --tensorboard-dir is given (None otherwise; startup_config checked it)."""
     if not directory or dist.get_rank() != 0:
         return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise SystemExit("error: --tensorboard-dir needs the tensorboard package (pip install tensorboard)") from None
+    from torch.utils.tensorboard import SummaryWriter
+
     return SummaryWriter(log_dir=directory)
 
 
@@ -351,7 +358,7 @@ def _train_config(args: argparse.Namespace, data_parallel: int) -> TrainConfig:
     )
 
 
-def _check_resume(load: str, train_iters: int) -> None:
+def _check_resume(load: str, train_iters: int, cfg: TrainConfig, world_size: int) -> None:
     step = latest_step(load)
     if step is None:
         raise StartupError(f"--load {load}: no checkpoint (missing {os.path.join(load, 'latest')})")
@@ -360,6 +367,10 @@ def _check_resume(load: str, train_iters: int) -> None:
             f"--load {load}: its checkpoint is at step {step}, so --train-iters {train_iters} leaves "
             f"nothing to train; use --train-iters > {step}"
         )
+    try:
+        check_saved_layout(load, step, cfg, world_size)
+    except ValueError as exc:
+        raise StartupError(str(exc)) from None
 
 
 def startup_config(args: argparse.Namespace, world_size: int) -> TrainConfig:
@@ -380,7 +391,9 @@ def startup_config(args: argparse.Namespace, world_size: int) -> TrainConfig:
         except ValueError as exc:
             raise StartupError(str(exc)) from None
     if args.load:
-        _check_resume(args.load, args.train_iters)
+        _check_resume(args.load, args.train_iters, cfg, world_size)
+    if args.tensorboard_dir:
+        _check_tensorboard()
     return cfg
 
 
