@@ -124,6 +124,11 @@ def test_trainer_trains_pp2_with_mapl_and_resumes(mapl, tmp_path):
     assert resumed == straight[2:]
     # another parallel layout, or another MAPL width: one line naming --load, not a state-dict traceback
     other_layout = [*common[:2], "--taco-mode", "none", "--train-iters", "4", "--load", str(tmp_path)]
+    # found at start-up, before any rank builds a model (whose build notices would come before the line)
+    with pytest.raises(cli.StartupError, match=r"--load .*: saved with TP=1, PP=2, virtual PP=1, this run has TP=2"):
+        cli.startup_config(cli.parse_args(other_layout), 2)
+    with pytest.raises(cli.StartupError, match=r"--load .*: saved with world size 2, now 4"):
+        cli.startup_config(cli.parse_args(common + ["--train-iters", "4", "--load", str(tmp_path)]), 4)
     with pytest.raises(
         DistributedTestError,
         match=r"--load .*: saved with TP=1, PP=2, virtual PP=1, this run has "

@@ -1,22 +1,25 @@
 """Per-rank checkpoints of the trainer: model (MAPL projections and anchors included), optimizers, lr schedule, step.
 
 Layout: ``DIR/iter_0000123/rank_00001.pt`` plus ``DIR/latest`` naming the newest
-iteration. Every rank saves and loads its own file (TP/PP shards differ); the
+iteration, and ``DIR/iter_0000123/layout.json`` (world size and parallel layout, read at start-up before any model
+is built). Every rank saves and loads its own file (TP/PP shards differ); the
 same parallel layout is needed to resume. The data stream is not stored: it is
 deterministic, and resuming fast-forwards it past the consumed micro-batches.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from megatron_taco.training.loop import Trainer
+from megatron_taco.training.loop import Trainer, TrainConfig
 
-__all__ = ["save_checkpoint", "latest_step", "load_checkpoint"]
+__all__ = ["save_checkpoint", "latest_step", "load_checkpoint", "check_saved_layout"]
+LAYOUT_FILE = "layout.json"
 
 
 def _iteration_dir(root: str, step: int) -> str:
@@ -44,6 +47,8 @@ def save_checkpoint(trainer: Trainer, root: str) -> str:
     torch.save(state, os.path.join(path, f"rank_{dist.get_rank():05d}.pt"))
     dist.barrier()
     if dist.get_rank() == 0:
+        with open(os.path.join(path, LAYOUT_FILE), "w") as f:
+            json.dump({"world_size": state["world_size"], "layout": state["layout"]}, f)
         with open(os.path.join(root, "latest"), "w") as f:
             f.write(str(trainer.step_count))
     dist.barrier()
@@ -58,14 +63,35 @@ def latest_step(root: str) -> Optional[int]:
         return int(f.read().strip())
 
 
-def _layout(trainer: Trainer) -> dict:
+def _config_layout(cfg: TrainConfig) -> dict:
     """The parallel layout a checkpoint's per-rank shards belong to."""
-    cfg = trainer.cfg
     return {"TP": cfg.tensor_parallel, "PP": cfg.pipeline_parallel, "virtual PP": cfg.virtual_pipeline or 1}
+
+
+def _layout(trainer: Trainer) -> dict:
+    return _config_layout(trainer.cfg)
 
 
 def _describe(layout: dict) -> str:
     return ", ".join(f"{name}={value}" for name, value in layout.items())
+
+
+def _layout_mismatch(root: str, saved: dict, now: dict) -> str:
+    return f"--load {root}: saved with {_describe(saved)}, this run has {_describe(now)}; resume with the layout it was saved with"
+
+
+def check_saved_layout(root: str, step: int, cfg: TrainConfig, world_size: int) -> None:
+    """Before anything is built: ValueError when the checkpoint at ``step`` was saved by another world size or
+    parallel layout (checkpoints without ``layout.json``, saved before it existed, are checked when loaded)."""
+    try:
+        with open(os.path.join(_iteration_dir(root, step), LAYOUT_FILE)) as f:
+            saved = json.load(f)
+    except FileNotFoundError:
+        return
+    if saved["world_size"] != world_size:
+        raise ValueError(f"--load {root}: saved with world size {saved['world_size']}, now {world_size}")
+    if saved["layout"] != _config_layout(cfg):
+        raise ValueError(_layout_mismatch(root, saved["layout"], _config_layout(cfg)))
 
 
 def load_checkpoint(trainer: Trainer, root: str) -> int:
@@ -85,10 +111,7 @@ def load_checkpoint(trainer: Trainer, root: str) -> int:
             f"--load {root}: saved {len(state['model'])} model chunks per stage, now {len(trainer.models)}"
         )
     if "layout" in state and state["layout"] != _layout(trainer):
-        raise ValueError(
-            f"--load {root}: saved with {_describe(state['layout'])}, this run has "
-            f"{_describe(_layout(trainer))}; resume with the layout it was saved with"
-        )
+        raise ValueError(_layout_mismatch(root, state["layout"], _layout(trainer)))
     for model, saved in zip(trainer.models, state["model"]):
         try:
             model.load_state_dict(saved)
