@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import os
 import socket
 import subprocess
@@ -50,6 +51,7 @@ class Case:
     argv: List[str]  # after the entry point
     entry: str = "trainer"  # trainer | launcher | patch
     files: tuple = ()  # (name, text) written into the scratch folder first
+    before: tuple = ()  # trainer arguments of a run that must succeed there first (a checkpoint to load)
 
 
 def _cases() -> List[Case]:
@@ -132,6 +134,19 @@ def _cases() -> List[Case]:
         ),
         Case("config that is a list", ["list.yaml"], files=(("list.yaml", "- 1\n- 2\n"),)),
     ]
+    saved = (tiny, "--train-iters", "2", "--save", "ckpt")  # a TP=2 + SP checkpoint at step 2
+    cases += [
+        Case(
+            "load a checkpoint already at --train-iters", [tiny, "--train-iters", "2", "--load", "ckpt"], before=saved
+        ),
+        Case(
+            "load a checkpoint of another parallel layout",
+            [*pp2, "--taco-mode", "none", "--train-iters", "4", "--load", "ckpt"],
+            before=saved,
+        ),
+    ]
+    if importlib.util.find_spec("tensorboard") is None:  # a mistake only where the package is missing
+        cases.append(Case("TensorBoard folder without the tensorboard package", [tiny, "--tensorboard-dir", "tb"]))
     launcher = [
         ("launcher: unknown TACO mode", ["--taco-mode", "int8"]),
         ("launcher: misspelt Megatron-LM flag", ["--num-layer", "3"]),
@@ -193,6 +208,9 @@ def run_case(case: Case, megatron_lm: Optional[str] = None) -> dict:
             "TORCHRUN_ARGS": f"--master-port {_port()}",
         }  # chosen before the fork
         env.pop("TRITON_INTERPRET", None)  # a user's shell: no interpreter for Triton
+        if case.before:
+            subprocess.run(["bash", RUN_SH, *case.before], cwd=scratch, env=env, capture_output=True, check=True)
+            env["TORCHRUN_ARGS"] = f"--master-port {_port()}"
         if case.entry == "trainer":
             cmd = ["bash", RUN_SH, *case.argv]
         elif case.entry == "launcher" and megatron_lm:
