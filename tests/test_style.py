@@ -79,3 +79,80 @@ def test_tacos_codec_is_a_wire_codec():
     from megatron_taco.codec import TacoCodec, WireCodec
 
     assert isinstance(TacoCodec(), WireCodec)
+
+
+def _python_files():
+    import glob
+
+    for top in PATHS:
+        for path in glob.glob(os.path.join(ROOT, top, "**", "*.py"), recursive=True):
+            if os.sep + os.path.join("benchmarks", "results") + os.sep not in path:  # recorded evidence
+                yield path
+
+
+def test_nothing_calls_pythons_salted_hash():
+    """``hash()`` of a str or bytes changes with every process (PYTHONHASHSEED): seeds and noise drawn from it
+    differ on every run (tests/test_codec.py seeded its inputs with it once). Use zlib.crc32 or a fixed seed."""
+    import ast
+
+    calls = [
+        f"{os.path.relpath(path, ROOT)}:{node.lineno}"
+        for path in _python_files()
+        for node in ast.walk(ast.parse(open(path).read()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "hash"
+    ]
+    assert not calls, f"hash() called at {calls}"
+
+
+def _indexed_names(text: str):
+    """What benchmarks/README.md names in backticks: paths, folders (``logs/x/``, ``kernels_runs/*.md``) and
+    extension shorthands (```e2e.md`, `.json``: e2e.json)."""
+    import re
+
+    names = set()
+    for line in text.splitlines():
+        stem = None
+        for token in re.findall(r"`([^`\s]+)`", line):
+            if token.startswith(".") and stem:
+                names.add(stem + token)
+                continue
+            names.add(token)
+            stem = os.path.splitext(token)[0]
+    return names
+
+
+def test_the_benchmarks_index_names_every_script_and_result():
+    """Every file in benchmarks/ and benchmarks/results/ is named in benchmarks/README.md (by its path under
+    results/, its name, or a folder that holds it)."""
+    bench = os.path.join(ROOT, "benchmarks")
+    names = _indexed_names(open(os.path.join(bench, "README.md")).read())
+    folders = {name.split("*")[0].rstrip("/") for name in names if name.endswith(("/", "/*.md"))}
+    missing = []
+    for folder, dirs, files in os.walk(bench):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files:
+            path = os.path.relpath(os.path.join(folder, name), bench)
+            under_results = os.path.relpath(path, "results")
+            if name in ("README.md", "__init__.py") and folder == bench:
+                continue
+            parents = {os.path.dirname(under_results)} | {os.path.dirname(os.path.dirname(under_results))}
+            if not ({path, under_results, name} & names or parents & folders):
+                missing.append(path)
+    assert not missing, f"benchmarks/README.md does not name {missing}"
+
+
+def test_every_result_names_its_commit_and_date():
+    """A Markdown report names its commit and date in its header (first 12 lines), a log in its first lines."""
+    import re
+
+    results = os.path.join(ROOT, "benchmarks", "results")
+    unnamed = []
+    for folder, _, files in os.walk(results):
+        for name in files:
+            if not name.endswith((".md", ".log")):
+                continue
+            with open(os.path.join(folder, name)) as f:
+                head = "".join(f.readline() for _ in range(12 if name.endswith(".md") else 3))
+            if not (re.search(r"\b[0-9a-f]{7,40}\b", head) and re.search(r"\b20\d\d-\d\d-\d\d\b", head)):
+                unnamed.append(os.path.relpath(os.path.join(folder, name), results))
+    assert not unnamed, f"no commit or date in the header of {unnamed}"
