@@ -265,7 +265,7 @@ def main() -> None:
     out = [
         "# Bad inputs: one line each",
         "",
-        f"Written by `python -m benchmarks.bad_inputs {' '.join(sys.argv[1:])}` on {datetime.date.today()}; "
+        f"Written by `{' '.join(['python -m benchmarks.bad_inputs', *sys.argv[1:]])}` on {datetime.date.today()}; "
         f"commit {project_commit()}; CPU "
         f"({os.cpu_count()} cores), Python {sys.version.split()[0]}. Each case runs as a user would, from an empty "
         "folder: the trainer through `scripts/run.sh` (2 ranks for the TP=2 configs), the Megatron-LM launcher "
