@@ -135,6 +135,12 @@ def test_trainer_trains_pp2_with_mapl_and_resumes(mapl, tmp_path):
         r"TP=2, PP=1, virtual PP=1; resume with the layout it was saved with",
     ):
         run_distributed(_train_cli, 2, other_layout, timeout=180)
+    # a checkpoint saved before layout.json existed: the same line, from the ranks' own files at load time
+    os.remove(tmp_path / "iter_0000002" / "layout.json")
+    with pytest.raises(
+        DistributedTestError, match=r"--load .*: saved with TP=1, PP=2, virtual PP=1, this run has TP=2"
+    ):
+        run_distributed(_train_cli, 2, other_layout, timeout=180)
     other_width = [("2" if i and common[i - 1] == "--mapl-ratio" else a) for i, a in enumerate(common)]
     with pytest.raises(
         DistributedTestError,
