@@ -156,3 +156,17 @@ def test_every_result_names_its_commit_and_date():
             if not (re.search(r"\b[0-9a-f]{7,40}\b", head) and re.search(r"\b20\d\d-\d\d-\d\d\b", head)):
                 unnamed.append(os.path.relpath(os.path.join(folder, name), results))
     assert not unnamed, f"no commit or date in the header of {unnamed}"
+
+
+def test_every_mutation_still_applies():
+    """benchmarks/mutations.py breaks the code by replacing exact text: each text must still be in its file once
+    (code that moved on silently leaves its mutation, and the tests it checks, behind)."""
+    from benchmarks import mutations
+
+    stale = []
+    for what, path, text, _, tests, _ in mutations.MUTATIONS:
+        for file, old, _ in [(path, text, None)] if path else mutations.SCALE_BIAS:
+            if open(os.path.join(ROOT, file)).read().count(old) != 1:
+                stale.append(f"{what} ({file})")
+        stale += [f"{what}: no {t}" for t in tests.split() if not os.path.exists(os.path.join(ROOT, t))]
+    assert not stale, f"mutations whose text is not exactly once in its file: {stale}"
