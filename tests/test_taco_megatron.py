@@ -26,12 +26,13 @@ ALWAYS = dict(min_bytes=0)  # compress every message (the link probe would skip 
 FP8_ASH = TacoConfig(default=LinearSettings(mode="fp8-ash"), **ALWAYS)
 
 # Compressed vs uncompressed training, 30 steps: the largest per-step |loss_taco - loss| / loss, measured
-# on CPU (identical with megatron-core 0.16.1 and 0.19.2, torch 2.13): GPT with SP 0.237%, Qwen without
-# SP 0.961%, Qwen with SP 1.998% (the others' steps stay below 1.2%); each bound is 1.3x of its case.
-# The two runs drift apart as training goes on (the largest difference is at step 26 in every case),
-# so any change of the codec's numbers, right or wrong, moves these: re-measure after one. Mistakes in
-# the codec settings are caught directly by test_every_linear_gets_exactly_the_codec_the_flags_ask_for.
-LOSS_REL_BOUND = {"gpt-sp": 0.0031, "qwen-nosp": 0.0125, "qwen-sp": 0.026}
+# on CPU on 2026-12-01 (torch 2.13.0, numpy 2.4.6, triton 3.9.0; the same numbers at 87d8ee0, where the
+# bounds were first set from 0.237% / 0.961% / 1.998% in that day's earlier environment): GPT with SP
+# 0.328% (step 29), Qwen without SP 1.093% (step 25), Qwen with SP 1.665% (step 26); each bound is 1.3x
+# of its case. The two runs drift apart as training goes on, so any change of the codec's numbers, right
+# or wrong, or of the environment's moves these: re-measure after one. Mistakes in the codec settings
+# are caught directly by test_every_linear_gets_exactly_the_codec_the_flags_ask_for.
+LOSS_REL_BOUND = {"gpt-sp": 0.0043, "qwen-nosp": 0.0142, "qwen-sp": 0.0217}
 
 
 def _train(shape, sp, steps, taco, lr=3e-3):
