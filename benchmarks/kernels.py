@@ -7,7 +7,13 @@ For bf16 and fp32 inputs of 8-512 MiB: compress, decompress, and decompress-sum
 of N = 2 and 4 messages. Achieved bandwidth counts the bytes each kernel must
 read and write (input + message, or N messages + output); it is reported as a
 fraction of a torch device-to-device copy of the input measured in the same
-run. Beside them: the torch eager reference and a torch.compile of it.
+way in the same run. Two ways of timing, both reported:
+
+* ``do_bench``: one call at a time, the L2 cache flushed before each (a cold call);
+* back to back: 20 calls in a CUDA graph (no host time between them, no flush), as a training step's
+  kernels follow each other (``triton.testing.do_bench_cudagraph``).
+
+Beside them: the torch eager reference and a torch.compile of it.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ import datetime
 
 import torch
 import triton
-from triton.testing import do_bench
+from triton.testing import do_bench, do_bench_cudagraph
 
 from megatron_taco.codec import TacoCodec, reference
 from megatron_taco.codec import kernels as taco_kernels
@@ -28,8 +34,18 @@ MIB = 1 << 20
 
 
 def _bench(fn) -> float:
-    """Median milliseconds of fn()."""
+    """Median milliseconds of fn(), one call at a time with the L2 cache flushed before each."""
     return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def _bench_back_to_back(fn) -> float:
+    """Median milliseconds per call of fn() replayed back to back in a CUDA graph (no host time, no flush);
+    NaN, with the reason printed, where fn cannot be captured."""
+    try:
+        return do_bench_cudagraph(fn, rep=100, return_mode="median")
+    except Exception as exc:  # report, do not hide
+        print(f"back-to-back timing failed: {type(exc).__name__}: {exc}", flush=True)
+        return float("nan")
 
 
 def _gbps(nbytes: int, ms: float) -> float:
@@ -47,6 +63,7 @@ def main() -> None:
     parser.add_argument("--group-size", type=int, default=128)
     parser.add_argument("--backend", default="triton", help="triton, or te (Transformer Engine's cast)")
     parser.add_argument("--no-sweep", action="store_true", help="keep the shipped launch configs")
+    parser.add_argument("--dtypes", default="bfloat16,float32", help="input dtypes, comma-separated")
     args = parser.parse_args()
     assert torch.cuda.is_available(), "benchmarks/kernels.py needs a CUDA GPU"
     torch.manual_seed(0)
@@ -57,10 +74,10 @@ def main() -> None:
         groups = x.numel() // settings.group_size
         return reference.encode_groups(x.float().view(groups, settings.group_size), settings)
 
-    sweep = [] if args.no_sweep else _sweep_launch_configs(codec)
+    sweep = [] if args.no_sweep else _sweep_launch_configs(codec, [getattr(torch, n) for n in args.dtypes.split(",")])
     compiled_compress = torch.compile(reference_compress)
     rows = []
-    for dtype in (torch.bfloat16, torch.float32):
+    for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
         for size_mib in (int(s) for s in args.sizes_mib.split(",")):
             numel = size_mib * MIB // torch.empty((), dtype=dtype).element_size()
             x = torch.randn(numel, device="cuda", dtype=dtype)
@@ -71,7 +88,14 @@ def main() -> None:
             copy_bw = _gbps(2 * in_bytes, copy_ms)
             buf = torch.empty(msg_bytes, dtype=torch.uint8, device="cuda")
             comp_ms = _bench(lambda: codec.compress(x, out=buf))
+            dec_out = torch.empty_like(x)
             dec_ms = _bench(lambda: codec.decompress(buf, x.shape, dtype, validate=False))
+            # back to back: the same kernels in a CUDA graph (decompress writes into a fixed output)
+            copy_b2b_bw = _gbps(2 * in_bytes, _bench_back_to_back(lambda: copy_out.copy_(x)))
+            comp_b2b_ms = _bench_back_to_back(lambda: codec.compress(x, out=buf))
+            dec_b2b_ms = _bench_back_to_back(
+                lambda: taco_kernels.decompress_rows(buf.view(1, -1), dec_out.view(1, -1), settings)
+            )
             row = dict(
                 dtype=str(dtype).replace("torch.", ""),
                 size=size_mib,
@@ -81,6 +105,9 @@ def main() -> None:
                 comp_frac=_gbps(in_bytes + msg_bytes, comp_ms) / copy_bw,
                 dec_ms=dec_ms,
                 dec_frac=_gbps(in_bytes + msg_bytes, dec_ms) / copy_bw,
+                copy_b2b_bw=copy_b2b_bw,
+                comp_b2b_frac=_gbps(in_bytes + msg_bytes, comp_b2b_ms) / copy_b2b_bw,
+                dec_b2b_frac=_gbps(in_bytes + msg_bytes, dec_b2b_ms) / copy_b2b_bw,
             )
             for n in (2, 4):
                 bufs = buf.unsqueeze(0).repeat(n, 1)
@@ -98,17 +125,17 @@ def main() -> None:
                     print(f"torch.compile of the reference failed: {type(exc).__name__}: {exc}", flush=True)
             rows.append(row)
             print(row, flush=True)
-            x = buf = copy_out = None  # freed before the next size
+            x = buf = copy_out = dec_out = None  # freed before the next size
             torch.cuda.empty_cache()
     _write(args, rows, sweep, f"{codec.settings.describe()}, backend {args.backend}")
 
 
-def _sweep_launch_configs(codec: TacoCodec) -> list:
-    """Time each kernel at 256 MiB (bf16 and fp32) for several tiles and warp counts; keep the best."""
-    configs = [(tile, warps) for tile in (512, 1024, 2048, 4096) for warps in (1, 2, 4, 8)]
+def _sweep_launch_configs(codec: TacoCodec, dtypes) -> list:
+    """Time each kernel at 256 MiB for several tiles and warp counts; keep the best."""
+    configs = [(tile, warps) for tile in (512, 1024, 2048) for warps in (1, 2, 4)]
     inputs = {
         dtype: torch.randn(256 * MIB // torch.empty((), dtype=dtype).element_size(), device="cuda", dtype=dtype)
-        for dtype in (torch.bfloat16, torch.float32)
+        for dtype in dtypes
     }
     results = []
     for kernel in ("compress", "decompress_sum"):
@@ -124,7 +151,7 @@ def _sweep_launch_configs(codec: TacoCodec) -> list:
                     bufs = buf.unsqueeze(0).repeat(2, 1)
                     total += _bench(lambda: codec.decompress_sum(bufs, x.shape, dtype, validate=False))
             results.append((kernel, config, total))
-            print(f"sweep {kernel} tile={config[0]} warps={config[1]}: {total:.3f} ms (bf16 + fp32)", flush=True)
+            print(f"sweep {kernel} tile={config[0]} warps={config[1]}: {total:.3f} ms", flush=True)
             if best is None or total < best[1]:
                 best = (config, total)
         taco_kernels.LAUNCH_CONFIG[kernel] = best[0]
@@ -139,32 +166,38 @@ def _write(args, rows, sweep, codec_description: str) -> None:
         "",
         f"- Command: `python -m benchmarks.kernels --out {args.out} --fmt {args.fmt} --transform {args.transform} "
         f"--scales {args.scales} --group-size {args.group_size} --backend {args.backend}"
-        f"{' --no-sweep' if args.no_sweep else ''} --sizes-mib {args.sizes_mib} --compare-sizes-mib {args.compare_sizes_mib}`",
+        f"{' --no-sweep' if args.no_sweep else ''} --sizes-mib {args.sizes_mib} --compare-sizes-mib {args.compare_sizes_mib}"
+        f" --dtypes {args.dtypes}`",
         f"- Commit: {project_commit()}",
         f"- Date: {datetime.date.today().isoformat()}; GPU: {props.name} ({props.multi_processor_count} SMs); "
         f"torch {torch.__version__}, triton {triton.__version__}, CUDA {torch.version.cuda}",
-        f"- Codec: {codec_description}. Times are medians of `triton.testing.do_bench`.",
-        "- Fraction = achieved bandwidth / bandwidth of a device-to-device copy of the input, same run. Bytes counted: "
-        "compress and decompress = input tensor + message; decompress-sum of N = N messages + output.",
+        f"- Codec: {codec_description}. Times are medians of `triton.testing.do_bench` (one call at a time, L2 "
+        "flushed before each) and, in the back-to-back columns, of `do_bench_cudagraph` (calls replayed in a CUDA "
+        "graph, no flush).",
+        "- Fraction = achieved bandwidth / bandwidth of a device-to-device copy of the input, timed the same way in "
+        "the same run. Bytes counted: compress and decompress = input tensor + message; decompress-sum of N = N "
+        "messages + output.",
         "",
         f"- Launch configs{' (shipped)' if args.no_sweep else ' chosen by the sweep below'}: "
         f"{dict(taco_kernels.LAUNCH_CONFIG)} (elements per program, warps).",
         "",
         "| dtype | MiB | copy GB/s | compress ms | compress / copy | decompress ms | decompress / copy | "
-        "decompress-sum N=2 / copy | N=4 / copy | torch eager compress ms | torch.compile compress ms |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "decompress-sum N=2 / copy | N=4 / copy | back to back: copy GB/s | compress / copy | decompress / copy | "
+        "torch eager compress ms | torch.compile compress ms |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         eager = f"{r['eager_ms']:.3f} ({r['eager_ms'] / r['comp_ms']:.1f}x slower)" if "eager_ms" in r else "-"
         comp = f"{r['compiled_ms']:.3f} ({r['compiled_ms'] / r['comp_ms']:.1f}x slower)" if "compiled_ms" in r else "-"
         lines.append(
             f"| {r['dtype']} | {r['size']} | {r['copy_bw']:.0f} | {r['comp_ms']:.3f} | {r['comp_frac']:.2f} | "
-            f"{r['dec_ms']:.3f} | {r['dec_frac']:.2f} | {r['sum2_frac']:.2f} | {r['sum4_frac']:.2f} | {eager} | {comp} |"
+            f"{r['dec_ms']:.3f} | {r['dec_frac']:.2f} | {r['sum2_frac']:.2f} | {r['sum4_frac']:.2f} | "
+            f"{r['copy_b2b_bw']:.0f} | {r['comp_b2b_frac']:.2f} | {r['dec_b2b_frac']:.2f} | {eager} | {comp} |"
         )
     if sweep:
         lines += [
             "",
-            "## Launch-config sweep (256 MiB, sum of bf16 and fp32 times)",
+            f"## Launch-config sweep (256 MiB, sum of the {args.dtypes} times)",
             "",
             "| kernel | elements per program | warps | ms |",
             "|---|---|---|---|",

@@ -37,7 +37,7 @@ __all__ = ["LAUNCH_CONFIG", "compress_rows", "decompress_rows", "transform_rows"
 _SCALE_MODE_IDS = {"fp32": 0, "dual": 1, "e8m0": 2, "e4m3": 3}
 # GPU launch shape: elements per program (BLOCK_G = tile // G) and warps, per kernel.
 # Chosen from the sweep in benchmarks/kernels.py (see benchmarks/results/kernels.md).
-LAUNCH_CONFIG = {"compress": (1024, 1), "decompress_sum": (1024, 2)}
+LAUNCH_CONFIG = {"compress": (1024, 2), "decompress_sum": (1024, 2)}
 
 
 @triton.jit
@@ -55,23 +55,16 @@ def _fwht(v, BLOCK_G: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
     """Unnormalised Walsh-Hadamard transform along axis 1 (Sylvester order), in-place butterflies.
 
     Stage b views each group as [G / 2^(b+1), 2, 2^b] and replaces the pair (a, b) on the size-2 axis by
-    (a + b, a - b): two reductions over that axis (a + b, and a + (-b), which IEEE defines as a - b) and a
-    select, with no permute of the tile (measured on H200 in a compress microbenchmark: 0.68 of copy
-    bandwidth, 0.40 with the split / join / permute form; benchmarks/results/kernels.md).
+    (a + b, a - b): each element fetches its partner once (``tl.flip`` of the pair axis, an exchange of bits:
+    exact) and adds it to itself, negated in the upper half: b + a = a + b, and a + (-b) = a - b in IEEE
+    arithmetic, the reference's operations. No permute of the tile. Where a pair sits in two threads that is
+    one exchange per element; two reductions over the pair axis (the form before) cost two: on H200 FP8 +
+    Hadamard compress went 0.50 -> 0.54 of copy bandwidth, decompress 0.68 -> 0.74 (benchmarks/results/kernels.md).
     """
     for b in tl.static_range(LOG2G):
-        if b == 0:  # pairs of adjacent elements: no trailing axis of size 1
-            pairs = tl.reshape(v, (BLOCK_G * (G // 2), 2))
-            sign = tl.where(tl.arange(0, 2) == 0, 1.0, -1.0)[None, :]
-            total = tl.sum(pairs, axis=1)
-            difference = tl.sum(pairs * sign, axis=1)
-            pairs = tl.where((tl.arange(0, 2) == 1)[None, :], difference[:, None], total[:, None])
-        else:
-            pairs = tl.reshape(v, (BLOCK_G * (G // (2 << b)), 2, 1 << b))
-            sign = tl.where(tl.arange(0, 2) == 0, 1.0, -1.0)[None, :, None]
-            total = tl.sum(pairs, axis=1)
-            difference = tl.sum(pairs * sign, axis=1)
-            pairs = tl.where((tl.arange(0, 2) == 1)[None, :, None], difference[:, None, :], total[:, None, :])
+        pairs = tl.reshape(v, (BLOCK_G * (G // (2 << b)), 2, 1 << b))
+        upper = (tl.arange(0, 2) == 1)[None, :, None]
+        pairs = tl.flip(pairs, 1) + tl.where(upper, -pairs, pairs)
         v = tl.reshape(pairs, (BLOCK_G, G))
     return v
 
