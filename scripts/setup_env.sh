@@ -22,7 +22,10 @@ fi
 python3 -m venv "$venv"
 pip=("$venv/bin/python" -m pip -q --disable-pip-version-check)
 if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
-  if command -v nvidia-smi >/dev/null 2>&1; then "${pip[@]}" install "torch>=2.6"; else "${pip[@]}" install torch==2.13.0; fi
+  # TORCH_INDEX_URL: where the CPU torch comes from (e.g. https://download.pytorch.org/whl/cpu where only PyPI,
+  # whose Linux torch is the CUDA build, is reachable otherwise)
+  if command -v nvidia-smi >/dev/null 2>&1; then "${pip[@]}" install "torch>=2.6"
+  else "${pip[@]}" install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0; fi
 fi
 "${pip[@]}" install triton numpy pyyaml "packaging>=24.2" "pytest>=8" matplotlib ruff==0.17.6
 case "$mcore" in
