@@ -10,8 +10,8 @@ fraction of a torch device-to-device copy of the input measured in the same
 way in the same run. Two ways of timing, both reported:
 
 * ``do_bench``: one call at a time, the L2 cache flushed before each (a cold call);
-* back to back: 20 calls in a CUDA graph (no host time between them, no flush), as a training step's
-  kernels follow each other (``triton.testing.do_bench_cudagraph``).
+* back to back: calls replayed in a CUDA graph for about 100 ms (no host time between them, no flush), as a
+  training step's kernels follow each other (``triton.testing.do_bench_cudagraph``).
 
 Beside them: the torch eager reference and a torch.compile of it.
 """
@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--no-sweep", action="store_true", help="keep the shipped launch configs")
     parser.add_argument("--dtypes", default="bfloat16,float32", help="input dtypes, comma-separated")
     args = parser.parse_args()
+    dtypes = [getattr(torch, name) for name in args.dtypes.split(",")]
     assert torch.cuda.is_available(), "benchmarks/kernels.py needs a CUDA GPU"
     torch.manual_seed(0)
     codec = TacoCodec(args.group_size, args.fmt, args.transform, args.scales, backend=args.backend)
@@ -74,10 +75,10 @@ def main() -> None:
         groups = x.numel() // settings.group_size
         return reference.encode_groups(x.float().view(groups, settings.group_size), settings)
 
-    sweep = [] if args.no_sweep else _sweep_launch_configs(codec, [getattr(torch, n) for n in args.dtypes.split(",")])
+    sweep = [] if args.no_sweep else _sweep_launch_configs(codec, dtypes)
     compiled_compress = torch.compile(reference_compress)
     rows = []
-    for dtype in (getattr(torch, name) for name in args.dtypes.split(",")):
+    for dtype in dtypes:
         for size_mib in (int(s) for s in args.sizes_mib.split(",")):
             numel = size_mib * MIB // torch.empty((), dtype=dtype).element_size()
             x = torch.randn(numel, device="cuda", dtype=dtype)
@@ -88,9 +89,9 @@ def main() -> None:
             copy_bw = _gbps(2 * in_bytes, copy_ms)
             buf = torch.empty(msg_bytes, dtype=torch.uint8, device="cuda")
             comp_ms = _bench(lambda: codec.compress(x, out=buf))
-            dec_out = torch.empty_like(x)
             dec_ms = _bench(lambda: codec.decompress(buf, x.shape, dtype, validate=False))
             # back to back: the same kernels in a CUDA graph (decompress writes into a fixed output)
+            dec_out = torch.empty_like(x)
             copy_b2b_bw = _gbps(2 * in_bytes, _bench_back_to_back(lambda: copy_out.copy_(x)))
             comp_b2b_ms = _bench_back_to_back(lambda: codec.compress(x, out=buf))
             dec_b2b_ms = _bench_back_to_back(

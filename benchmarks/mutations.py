@@ -179,7 +179,7 @@ MUTATIONS = [  # (what, file, text, replaced by, tests, -k) or file None: SCALE_
     (
         "--load of another layout: no layout check",
         "megatron_taco/training/checkpoint.py",
-        '    if "layout" in state and state["layout"] != _layout(trainer):',
+        '    if "layout" in state and state["layout"] != _layout(trainer.cfg):',
         "    if False:",
         "tests/test_entry_points.py",
         "pp2_with_mapl",

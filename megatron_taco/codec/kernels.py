@@ -61,9 +61,9 @@ def _fwht(v, BLOCK_G: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
     one exchange per element; two reductions over the pair axis (the form before) cost two: on H200 FP8 +
     Hadamard compress went 0.50 -> 0.54 of copy bandwidth, decompress 0.68 -> 0.74 (benchmarks/results/kernels.md).
     """
+    upper = (tl.arange(0, 2) == 1)[None, :, None]  # the second element of each pair
     for b in tl.static_range(LOG2G):
         pairs = tl.reshape(v, (BLOCK_G * (G // (2 << b)), 2, 1 << b))
-        upper = (tl.arange(0, 2) == 1)[None, :, None]
         pairs = tl.flip(pairs, 1) + tl.where(upper, -pairs, pairs)
         v = tl.reshape(pairs, (BLOCK_G, G))
     return v

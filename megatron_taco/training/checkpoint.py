@@ -42,7 +42,7 @@ def save_checkpoint(trainer: Trainer, root: str) -> str:
         ),
         "torch_rng": torch.get_rng_state(),
         "world_size": dist.get_world_size(),
-        "layout": _layout(trainer),
+        "layout": _layout(trainer.cfg),
     }
     torch.save(state, os.path.join(path, f"rank_{dist.get_rank():05d}.pt"))
     dist.barrier()
@@ -63,13 +63,9 @@ def latest_step(root: str) -> Optional[int]:
         return int(f.read().strip())
 
 
-def _config_layout(cfg: TrainConfig) -> dict:
+def _layout(cfg: TrainConfig) -> dict:
     """The parallel layout a checkpoint's per-rank shards belong to."""
     return {"TP": cfg.tensor_parallel, "PP": cfg.pipeline_parallel, "virtual PP": cfg.virtual_pipeline or 1}
-
-
-def _layout(trainer: Trainer) -> dict:
-    return _config_layout(trainer.cfg)
 
 
 def _describe(layout: dict) -> str:
@@ -90,8 +86,8 @@ def check_saved_layout(root: str, step: int, cfg: TrainConfig, world_size: int) 
         return
     if saved["world_size"] != world_size:
         raise ValueError(f"--load {root}: saved with world size {saved['world_size']}, now {world_size}")
-    if saved["layout"] != _config_layout(cfg):
-        raise ValueError(_layout_mismatch(root, saved["layout"], _config_layout(cfg)))
+    if saved["layout"] != _layout(cfg):
+        raise ValueError(_layout_mismatch(root, saved["layout"], _layout(cfg)))
 
 
 def load_checkpoint(trainer: Trainer, root: str) -> int:
@@ -110,8 +106,8 @@ def load_checkpoint(trainer: Trainer, root: str) -> int:
         raise ValueError(
             f"--load {root}: saved {len(state['model'])} model chunks per stage, now {len(trainer.models)}"
         )
-    if "layout" in state and state["layout"] != _layout(trainer):
-        raise ValueError(_layout_mismatch(root, state["layout"], _layout(trainer)))
+    if "layout" in state and state["layout"] != _layout(trainer.cfg):
+        raise ValueError(_layout_mismatch(root, state["layout"], _layout(trainer.cfg)))
     for model, saved in zip(trainer.models, state["model"]):
         try:
             model.load_state_dict(saved)
