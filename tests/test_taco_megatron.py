@@ -29,7 +29,7 @@ FP8_ASH = TacoConfig(default=LinearSettings(mode="fp8-ash"), **ALWAYS)
 # on CPU on 2026-12-01 (torch 2.13.0, numpy 2.4.6, triton 3.9.0; the same numbers at 87d8ee0, where the
 # bounds were first set from 0.237% / 0.961% / 1.998% in that day's earlier environment): GPT with SP
 # 0.328% (step 29), Qwen without SP 1.093% (step 25), Qwen with SP 1.665% (step 26); each bound is 1.3x
-# of its case. The two runs drift apart as training goes on, so any change of the codec's numbers, right
+# of its case (benchmarks/results/logs/fp8_ash_loss_bounds_cpu_2026-12-01.log). The two runs drift apart as training goes on, so any change of the codec's numbers, right
 # or wrong, or of the environment's moves these: re-measure after one. Mistakes in the codec settings
 # are caught directly by test_every_linear_gets_exactly_the_codec_the_flags_ask_for.
 LOSS_REL_BOUND = {"gpt-sp": 0.0043, "qwen-nosp": 0.0142, "qwen-sp": 0.0217}

@@ -1,0 +1,653 @@
+# The planar-tile trial (2026-12-01, on the tree of b5d21a9; tried on one H200 and reverted: see kernels.md "What bounds them now").
+# planar_*.md beside it are its runs. Kept as evidence; not imported by anything.
+"""Fused Triton kernels of the TACO codec: compress, and decompress-and-sum.
+
+They execute the same IEEE fp32 operations, in the same order, as the torch
+reference (:mod:`megatron_taco.codec.reference`), so they write the same bytes:
+
+* sums are pairwise trees over adjacent elements (``_pairwise_sum``);
+* the Walsh-Hadamard transform (``_fwht``) runs the in-place butterfly stages on index bit 0, 1, ...,
+  log2(G) - 1 (stage b maps the pair (i, i + 2^b) to (a + b, a - b)): the same additions, on the same
+  operands, as the reference's constant-geometry butterfly, which only stores them in another order;
+* divisions and square roots are IEEE-rounded (``div_rn``, ``sqrt_rn``), and
+  kernels launch with ``enable_fp_fusion=False`` so no multiply is fused
+  into an add;
+* narrowing casts (fp32 -> FP8, bf16, fp16) round to nearest even: on a GPU the hardware conversion does
+  (``HW_ROUNDING``); Triton's CPU interpreter rounds fp32 -> fp8 wrongly (it loses the carry across a
+  binade and truncates subnormals), so there the value is first rounded to the target grid in fp32
+  (``_round_to_grid``) and then converts exactly; FP4 E2M1 codes come from comparisons with the grid's
+  midpoints (``_e2m1_codes``), ties to the even code.
+
+One program handles BLOCK_G consecutive groups of G elements, loaded once and written once (a single
+pass over the input), as a *planar* tile [G // S, BLOCK_G, S]: plane k holds elements k*S .. k*S + S - 1
+of every group. Each thread loads S contiguous elements of a group per plane (one vector load), the
+planes repeat in its registers, and the groups go across threads: the Hadamard's butterflies on the
+index bits of S (inside a vector) and on those of the plane number (between planes) are all additions
+between a thread's own registers, with no exchange between threads (measured on H200 in
+``benchmarks/results/kernels.md``; a [BLOCK_G, G] tile spread a group over 8-32 threads, and each
+butterfly stage across threads cost two shuffles per element).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from megatron_taco.codec import reference
+from megatron_taco.codec.format import NAN_CODE, CodecSettings, header_words
+
+__all__ = ["LAUNCH_CONFIG", "compress_rows", "decompress_rows", "transform_rows"]
+
+_SCALE_MODE_IDS = {"fp32": 0, "dual": 1, "e8m0": 2, "e4m3": 3}
+# GPU launch shape per kernel: (elements per program, warps, S = contiguous elements per thread and plane).
+# BLOCK_G = elements // G groups per program, at least one per thread (fewer would repeat the work).
+# Chosen from the sweep in benchmarks/kernels.py (see benchmarks/results/kernels.md).
+LAUNCH_CONFIG = {"compress": (4096, 1, 8), "decompress_sum": (4096, 1, 8)}
+
+
+@triton.jit
+def _pairwise_sum(v, BLOCK_G: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr, S: tl.constexpr, LOG2S: tl.constexpr):
+    """[G // S, BLOCK_G, S] planar tile -> [BLOCK_G]: element 2i + element 2i + 1, repeated log2(G) times
+    (first inside each plane's S elements, then between adjacent planes)."""
+    K: tl.constexpr = G // S
+    for stage in tl.static_range(LOG2S):
+        v = tl.reshape(v, (K, BLOCK_G, S >> (stage + 1), 2))
+        even, odd = tl.split(v)
+        v = even + odd
+    v = tl.reshape(v, (K, BLOCK_G))
+    for stage in tl.static_range(LOG2G - LOG2S):
+        v = tl.sum(tl.reshape(v, (K >> (stage + 1), 2, BLOCK_G)), axis=1)  # one addition, commutative
+    return tl.reshape(v, (BLOCK_G,))
+
+
+@triton.jit
+def _butterfly(v, ROWS: tl.constexpr, SPAN: tl.constexpr, SHAPE: tl.constexpr):
+    """One Walsh-Hadamard stage on v viewed as [ROWS, 2, SPAN]: the pair (a, b) on the size-2 axis becomes
+    (a + b, a - b), as two reductions over that axis (a + b, and a + (-b), which IEEE defines as a - b)
+    and a select. SHAPE: v's shape, restored after."""
+    if SPAN == 1:  # pairs of adjacent elements: no trailing axis of size 1
+        pairs = tl.reshape(v, (ROWS, 2))
+        sign = tl.where(tl.arange(0, 2) == 0, 1.0, -1.0)[None, :]
+        total = tl.sum(pairs, axis=1)
+        difference = tl.sum(pairs * sign, axis=1)
+        pairs = tl.where((tl.arange(0, 2) == 1)[None, :], difference[:, None], total[:, None])
+    else:
+        pairs = tl.reshape(v, (ROWS, 2, SPAN))
+        sign = tl.where(tl.arange(0, 2) == 0, 1.0, -1.0)[None, :, None]
+        total = tl.sum(pairs, axis=1)
+        difference = tl.sum(pairs * sign, axis=1)
+        pairs = tl.where((tl.arange(0, 2) == 1)[None, :, None], difference[:, None, :], total[:, None, :])
+    return tl.reshape(pairs, SHAPE)
+
+
+@triton.jit
+def _fwht(v, BLOCK_G: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr, S: tl.constexpr, LOG2S: tl.constexpr):
+    """Unnormalised Walsh-Hadamard transform of each group (Sylvester order) of a planar tile
+    [G // S, BLOCK_G, S], by in-place butterflies on element-index bit 0, 1, ..., log2(G) - 1.
+
+    Element k*S + j of a group is v[k, group, j]: the bits of j come first (stage b pairs j with
+    j + 2^b inside each plane), then those of k (pairs plane k with plane k + 2^c). Each stage is a
+    reshape of the tile, which keeps every value where it is (no layout change, no permute).
+    """
+    K: tl.constexpr = G // S
+    for b in tl.static_range(LOG2S):
+        v = _butterfly(v, K * BLOCK_G * (S >> (b + 1)), 1 << b, (K, BLOCK_G, S))
+    for c in tl.static_range(LOG2G - LOG2S):
+        v = _butterfly(v, K >> (c + 1), (1 << c) * BLOCK_G * S, (K, BLOCK_G, S))
+    return v
+
+
+@triton.jit
+def _round_to_grid(x, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUBNORMAL_SHIFTER: tl.constexpr):
+    """Round fp32 to the nearest value of a narrower float format (ties to even), keeping the sign.
+
+    Used for FP8 codes and for bf16/fp16 outputs; finite values of the target's range are
+    rounded, NaN and Inf pass through unchanged.
+
+    Normal range: round the fp32 mantissa to MANTISSA_BITS with integer arithmetic.
+    Subnormal range: adding SUBNORMAL_SHIFTER (1.5 * 2^k, whose ulp is the FP8
+    subnormal step) makes the fp32 adder round to that step.
+    Non-finite: NVIDIA's NaN is 0x7FFFFFFF, whose mantissa round-up would carry into
+    the sign bit (NaN -> -0.0), so values with an all-ones exponent are kept as they are.
+    """
+    DROP: tl.constexpr = 23 - MANTISSA_BITS
+    HALF_MINUS_ONE: tl.constexpr = (1 << (DROP - 1)) - 1
+    KEEP: tl.constexpr = 0xFFFFFFFF ^ ((1 << DROP) - 1)
+    bits = x.to(tl.uint32, bitcast=True)
+    sign = bits & 0x80000000
+    magnitude = bits & 0x7FFFFFFF
+    lsb = (magnitude >> DROP) & 1
+    normal = (magnitude + HALF_MINUS_ONE + lsb) & KEEP
+    ax = magnitude.to(tl.float32, bitcast=True)
+    subnormal = ((ax + SUBNORMAL_SHIFTER) - SUBNORMAL_SHIFTER).to(tl.uint32, bitcast=True)
+    rounded = tl.where(ax < MIN_NORMAL, subnormal, normal)
+    rounded = tl.where(magnitude >= 0x7F800000, magnitude, rounded)  # NaN / Inf unchanged
+    return (rounded | sign).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e2m1_codes(q):
+    """4-bit E2M1 codes (s|ee|m) of q rounded to nearest on the grid 0, 0.5, 1, 1.5, 2, 3, 4, 6 (|q| <= 6),
+    ties to the even code (``reference._four_bit_codes``): the magnitude code counts the midpoints below
+    |q|, strictly where the lower neighbour is even (0.25, 1.25, 2.5, 5), inclusively where the upper one
+    is (0.75, 1.75, 3.5). The sign bit is q's, -0.0 included."""
+    a = tl.abs(q)
+    magnitude = (
+        (a > 0.25).to(tl.int32)
+        + (a >= 0.75).to(tl.int32)
+        + (a > 1.25).to(tl.int32)
+        + (a >= 1.75).to(tl.int32)
+        + (a > 2.5).to(tl.int32)
+        + (a >= 3.5).to(tl.int32)
+        + (a > 5.0).to(tl.int32)
+    )
+    sign = ((q.to(tl.uint32, bitcast=True) >> 31) & 1).to(tl.int32)
+    return magnitude | (sign << 3)
+
+
+@triton.jit
+def _uniform_noise(index):
+    """u in [0, 1) from int64 ``index`` (0..2^32-1): lowbias32 in wrapping 64-bit products masked to 32 bits,
+    then its top 24 bits (``reference.uniform_noise``)."""
+    x = index ^ (index >> 16)
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    x = x ^ (x >> 16)
+    return (x >> 8).to(tl.float32) * (1.0 / (1 << 24))
+
+
+@triton.jit
+def _stochastic_magnitude(a, u, INTEGER: tl.constexpr, MAX: tl.constexpr):
+    """|q| rounded down or up to the 4-bit grid at random (``reference._stochastic_magnitude``)."""
+    if INTEGER:
+        return tl.floor(a + u)
+    inverse_step = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
+    step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
+    return tl.minimum(tl.floor(a * inverse_step + u) * step, MAX)
+
+
+@triton.jit
+def _four_bit_values(codes, INTEGER: tl.constexpr):
+    """fp32 values of 4-bit codes (int32 0..15): INT4 two's complement, or E2M1 (``reference.code_values``)."""
+    if INTEGER:
+        return ((codes ^ 8) - 8).to(tl.float32)
+    exponent = (codes >> 1) & 3
+    half_steps = (codes & 1).to(tl.float32)
+    power = (tl.maximum(exponent - 1 + 127, 1) << 23).to(tl.float32, bitcast=True)  # 2^(e - 1), exact
+    magnitude = tl.where(exponent == 0, half_steps * 0.5, power * (1.0 + 0.5 * half_steps))
+    return tl.where((codes & 8) != 0, -magnitude, magnitude)
+
+
+@triton.jit
+def _planar_offsets(groups, G: tl.constexpr, S: tl.constexpr, WIDTH: tl.constexpr):
+    """[G // S, BLOCK_G, WIDTH] offsets of the planar tile in a row of groups of G: element k*S + j of group g
+    at g*G + k*S + j (WIDTH = S), or byte (k*S + j) / 2 of its packed 4-bit codes (WIDTH = S // 2, G halved)."""
+    return (
+        groups.to(tl.int64)[None, :, None] * (G * WIDTH // S)
+        + (tl.arange(0, G // S) * WIDTH)[:, None, None]
+        + tl.arange(0, WIDTH)[None, None, :]
+    )
+
+
+@triton.jit
+def _group_max(v):
+    """[K, BLOCK_G, S] -> [BLOCK_G]: the max over each group's planes and elements (exact in any order)."""
+    return tl.max(tl.max(v, axis=2), axis=0)
+
+
+@triton.jit
+def _transform_and_amax(
+    x,
+    eps,
+    G: tl.constexpr,
+    LOG2G: tl.constexpr,
+    S: tl.constexpr,
+    LOG2S: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    ASH: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    INV_SQRT_G: tl.constexpr,
+):
+    """(y, s_a, amax, nonfinite) of a planar tile: y = H(x) / sqrt(G) (times s_a in the paper's dual-scale
+    form), per group max |y| (0 for a non-finite group) and whether the group holds NaN or Inf."""
+    fp8_max = tl.full((BLOCK_G,), FP8_MAX, tl.float32)
+    s_a = tl.full((BLOCK_G,), 1.0, tl.float32)
+    if ASH:
+        if SCALE_MODE == 1:
+            mean_square = _pairwise_sum(x * x, BLOCK_G, G, LOG2G, S, LOG2S) * (1.0 / G)
+            rms = tl.sqrt_rn(mean_square + eps)
+            raw = tl.math.div_rn(fp8_max, rms)
+            # clamp, with one NaN bit pattern for NaN as in the reference (GPU min/max drop NaN)
+            s_a = tl.where(raw != raw, float("nan"), tl.minimum(tl.maximum(raw, 1e-3), 1e3))
+            y = _fwht(x, BLOCK_G, G, LOG2G, S, LOG2S) * (s_a * INV_SQRT_G)[None, :, None]
+        else:
+            y = _fwht(x, BLOCK_G, G, LOG2G, S, LOG2S) * INV_SQRT_G
+    else:
+        y = x
+    # max |y| with NaN counted as Inf (a GPU max skips NaN): a group is non-finite iff that max is Inf.
+    amax = _group_max(tl.where(y != y, float("inf"), tl.abs(y)))
+    nonfinite = amax == float("inf")
+    amax = tl.where(nonfinite, 0.0, amax)
+    return y, s_a, amax, nonfinite
+
+
+@triton.jit
+def _load_groups(x_ptr, groups, numel, n_groups, G: tl.constexpr, S: tl.constexpr, WHOLE_GROUPS: tl.constexpr):
+    """The planar tile of ``groups`` (fp32), zeros past ``numel``. WHOLE_GROUPS (numel = n_groups * G): the mask
+    is per group, constant along each thread's S elements, so the load vectorizes."""
+    offsets = _planar_offsets(groups, G, S, S)
+    if WHOLE_GROUPS:
+        mask = (groups < n_groups)[None, :, None]
+    else:
+        mask = offsets < numel
+    return tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32), offsets
+
+
+@triton.jit
+def _first_pass_kernel(
+    x_ptr,
+    out_ptr,
+    x_row_stride,
+    numel,
+    n_groups,
+    eps,
+    G: tl.constexpr,
+    LOG2G: tl.constexpr,
+    S: tl.constexpr,
+    LOG2S: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    WHOLE_GROUPS: tl.constexpr,
+    ASH: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    FP8_MAX: tl.constexpr,
+    INV_SQRT_G: tl.constexpr,
+    WRITE_Y: tl.constexpr,  # True: out = y [R, n_groups * G]; False: out = per-group max [R, n_groups]
+):
+    """What the compress kernel computes before its scale, written out for a pass that needs it first.
+
+    WRITE_Y=False: out[row, group] = max |y| of the group (0 if non-finite): the first pass of scales="e4m3",
+    whose message scale needs the whole row's maximum before any group is quantized.
+    WRITE_Y=True: out[row] = y (H(x) / sqrt(G) with ASH, else x) in fp32, zero-padded to whole groups, NaN over
+    every group that holds a NaN or an Inf: what another encoder (Transformer Engine's cast) quantizes.
+    """
+    pid = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    groups = pid * BLOCK_G + tl.arange(0, BLOCK_G)
+    x, offsets = _load_groups(x_ptr + row * x_row_stride, groups, numel, n_groups, G, S, WHOLE_GROUPS)
+    y, _, amax, nonfinite = _transform_and_amax(
+        x, eps, G, LOG2G, S, LOG2S, BLOCK_G, ASH, SCALE_MODE, FP8_MAX, INV_SQRT_G
+    )
+    if WRITE_Y:
+        y = tl.where(nonfinite[None, :, None], float("nan"), y)
+        tl.store(out_ptr + row * n_groups * G + offsets, y, mask=(groups < n_groups)[None, :, None])
+    else:
+        tl.store(out_ptr + row * n_groups + groups, amax, mask=groups < n_groups)
+
+
+@triton.jit
+def _compress_kernel(
+    x_ptr,
+    out_ptr,
+    x_row_stride,
+    out_row_stride,
+    numel,
+    n_groups,
+    scales_offset,
+    head0,
+    head1,
+    head2,
+    head3,
+    eps,
+    seed,  # stochastic rounding: this call's seed (``TacoCodec.compress_rows``)
+    row_amax_ptr,  # scales="e4m3": each row's max |y| (the first pass); unused otherwise
+    G: tl.constexpr,
+    LOG2G: tl.constexpr,
+    S: tl.constexpr,  # contiguous elements of a group per thread and plane (the tile is [G // S, BLOCK_G, S])
+    LOG2S: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    WHOLE_GROUPS: tl.constexpr,  # numel is a multiple of G: masks per group (vector loads)
+    ASH: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    CODE_KIND: tl.constexpr,  # 0: FP8 E4M3, 1: FP8 E5M2, 2: FP4 E2M1, 3: INT4
+    STOCHASTIC: tl.constexpr,  # 4-bit codes: round up with probability equal to the distance (else nearest)
+    FP8_MAX: tl.constexpr,  # the element format's largest value M (448, 57344, 6, 7)
+    MANTISSA_BITS: tl.constexpr,
+    MIN_NORMAL: tl.constexpr,
+    SUBNORMAL_SHIFTER: tl.constexpr,
+    INV_SQRT_G: tl.constexpr,
+    NAN_BYTE: tl.constexpr,
+    E4M3_MIN_NORMAL: tl.constexpr,  # the E4M3 grid of scales="e4m3"'s group bytes
+    E4M3_SUBNORMAL_SHIFTER: tl.constexpr,
+    HW_ROUNDING: tl.constexpr,  # True on a GPU: casts round to nearest even in hardware (else _round_to_grid)
+):
+    """Row program_id(1) of x (``numel`` elements each) -> row program_id(1) of out (one message each)."""
+    pid = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    x_ptr += row * x_row_stride
+    out_ptr += row * out_row_stride
+    if pid == 0:  # the 16-byte header: magic, settings, element count
+        words = tl.where(
+            tl.arange(0, 4) == 0,
+            head0,
+            tl.where(tl.arange(0, 4) == 1, head1, tl.where(tl.arange(0, 4) == 2, head2, head3)),
+        )
+        tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + tl.arange(0, 4), words)
+
+    groups = pid * BLOCK_G + tl.arange(0, BLOCK_G)
+    group_ok = groups < n_groups
+    x, offsets = _load_groups(x_ptr, groups, numel, n_groups, G, S, WHOLE_GROUPS)
+    fp8_max = tl.full((BLOCK_G,), FP8_MAX, tl.float32)
+
+    y, s_a, amax, nonfinite = _transform_and_amax(
+        x, eps, G, LOG2G, S, LOG2S, BLOCK_G, ASH, SCALE_MODE, FP8_MAX, INV_SQRT_G
+    )
+
+    # Quantization scale: s_q = amax / M, its power-of-two ceiling 2^e for E8M0, or an E4M3 byte times the
+    # message scale S = (max over the row) / (M * 448) for "e4m3" (``reference._e4m3_scaled``).
+    if SCALE_MODE == 3:
+        row_amax = tl.load(row_amax_ptr + row)
+        message_scale = tl.where(row_amax > 0, tl.math.div_rn(row_amax, FP8_MAX * 448.0), 1.0)
+        ratio = tl.minimum(tl.math.div_rn(tl.math.div_rn(amax, fp8_max), message_scale), 448.0)
+        if not HW_ROUNDING:
+            ratio = _round_to_grid(ratio, 3, E4M3_MIN_NORMAL, E4M3_SUBNORMAL_SHIFTER)
+        group_bytes = tl.where(nonfinite, NAN_BYTE, ratio.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
+        group_scale = group_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * message_scale
+        inverse = tl.where(group_scale > 0, tl.math.div_rn(tl.full((BLOCK_G,), 1.0, tl.float32), group_scale), 0.0)
+    elif SCALE_MODE == 2:
+        need_bits = tl.math.div_rn(amax, fp8_max).to(tl.int32, bitcast=True)
+        exponent = ((need_bits >> 23) & 0xFF) - 127 + ((need_bits & 0x7FFFFF) != 0).to(tl.int32)
+        exponent = tl.minimum(tl.maximum(exponent, -126), 126)
+        inverse = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
+    else:
+        s_q = tl.where(amax > 0, tl.math.div_rn(amax, fp8_max), 1.0)
+        s_q = tl.where(nonfinite, float("nan"), s_q)
+        # one IEEE division per group, a multiply per element
+        inverse = tl.where(amax > 0, tl.math.div_rn(fp8_max, amax), 1.0)
+    q = tl.minimum(tl.maximum(y * inverse[None, :, None], -FP8_MAX), FP8_MAX)
+
+    if CODE_KIND >= 2:  # 4 bits, two per byte; a non-finite group's NaN scale decodes it to NaN
+        if STOCHASTIC:
+            index = (row * (n_groups * G) + offsets) & 0xFFFFFFFF  # element of this call, rows padded to groups
+            magnitude = _stochastic_magnitude(tl.abs(q), _uniform_noise(index ^ seed), CODE_KIND == 3, FP8_MAX)
+            r = tl.where(q < 0, -magnitude, magnitude)
+            if CODE_KIND == 3:
+                nibbles = r.to(tl.int32) & 0xF
+            else:
+                nibbles = _e2m1_codes(r)
+        elif CODE_KIND == 3:
+            nibbles = ((q + 12582912.0) - 12582912.0).to(tl.int32) & 0xF  # integers, ties to even
+        else:
+            nibbles = _e2m1_codes(q)
+        nibbles = tl.where(nonfinite[None, :, None], 0, nibbles)
+        # byte i = element 2i | element 2i + 1 << 4, as a sum over the pair axis (no split: the layout stays)
+        nibble_shift = (tl.arange(0, 2) * 4)[None, None, None, :]
+        packed = tl.sum(tl.reshape(nibbles, (G // S, BLOCK_G, S // 2, 2)) << nibble_shift, axis=3)
+        packed_offsets = _planar_offsets(groups, G, S, S // 2)
+        tl.store(out_ptr + 16 + packed_offsets, packed.to(tl.uint8), mask=group_ok[None, :, None])
+    else:
+        if not HW_ROUNDING:
+            q = _round_to_grid(q, MANTISSA_BITS, MIN_NORMAL, SUBNORMAL_SHIFTER)
+        if CODE_KIND == 0:
+            codes = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        else:
+            codes = q.to(tl.float8e5).to(tl.uint8, bitcast=True)
+        codes = tl.where(nonfinite[None, :, None], NAN_BYTE, codes)
+        tl.store(out_ptr + 16 + offsets, codes, mask=group_ok[None, :, None])
+
+    if SCALE_MODE == 3:
+        tl.store(out_ptr + scales_offset + groups, group_bytes, mask=group_ok)
+        if pid == 0:  # the message scale, as 4 little-endian bytes after the group bytes (no alignment needed)
+            word = message_scale.to(tl.uint32, bitcast=True)
+            shifts = tl.arange(0, 4) * 8
+            tl.store(out_ptr + scales_offset + n_groups + tl.arange(0, 4), ((word >> shifts) & 0xFF).to(tl.uint8))
+    elif SCALE_MODE == 2:
+        stored = tl.where(nonfinite, 255, exponent + 127).to(tl.uint8)
+        tl.store(out_ptr + scales_offset + groups, stored, mask=group_ok)
+    else:
+        scale_ptr = (out_ptr + scales_offset).to(tl.pointer_type(tl.float32))
+        if SCALE_MODE == 1:
+            tl.store(scale_ptr + 2 * groups, s_q, mask=group_ok)
+            tl.store(scale_ptr + 2 * groups + 1, s_a, mask=group_ok)
+        else:
+            tl.store(scale_ptr + groups, s_q, mask=group_ok)
+
+
+@triton.jit
+def _decompress_sum_kernel(
+    bufs_ptr,
+    out_ptr,
+    n_bufs,
+    buf_stride,
+    out_row_stride,
+    numel,
+    n_groups,
+    scales_offset,
+    G: tl.constexpr,
+    LOG2G: tl.constexpr,
+    S: tl.constexpr,  # contiguous elements of a group per thread and plane (the tile is [G // S, BLOCK_G, S])
+    LOG2S: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    WHOLE_GROUPS: tl.constexpr,  # numel is a multiple of G: masks per group (vector stores)
+    ASH: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    CODE_KIND: tl.constexpr,  # 0: FP8 E4M3, 1: FP8 E5M2, 2: FP4 E2M1, 3: INT4
+    INV_SQRT_G: tl.constexpr,
+    OUT_MANTISSA_BITS: tl.constexpr,
+    OUT_MIN_NORMAL: tl.constexpr,
+    OUT_SUBNORMAL_SHIFTER: tl.constexpr,
+    HW_ROUNDING: tl.constexpr,  # True on a GPU: the output cast rounds to nearest even in hardware
+):
+    """out = sum over r of decode(bufs[r]) in fp32, in order r = 0, 1, ...
+
+    With one scale per group the transform is linear in the sum: H(sum_r q_r s_r) / sqrt(G),
+    one Hadamard instead of N (``reference.decode_sum_groups`` defines the same order).
+    Output row program_id(1) sums messages [row * n_bufs, (row + 1) * n_bufs).
+    """
+    K: tl.constexpr = G // S
+    pid = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    bufs_ptr += row * n_bufs * buf_stride
+    out_ptr += row * out_row_stride
+    groups = pid * BLOCK_G + tl.arange(0, BLOCK_G)
+    group_ok = groups < n_groups
+    offsets = _planar_offsets(groups, G, S, S)
+    acc = tl.zeros((K, BLOCK_G, S), tl.float32)
+    buf = bufs_ptr
+    for _ in range(n_bufs):
+        if CODE_KIND >= 2:
+            packed_offsets = _planar_offsets(groups, G, S, S // 2)
+            packed = tl.load(buf + 16 + packed_offsets, mask=group_ok[None, :, None], other=0).to(tl.int32)
+            # elements 2i, 2i + 1 (a join: unpacking by a broadcast shift made INT4 sums of N >= 2 messages 10x slower)
+            nibbles = tl.reshape(tl.join(packed & 0xF, packed >> 4), (K, BLOCK_G, S))
+            y = _four_bit_values(nibbles, CODE_KIND == 3)
+        else:
+            codes = tl.load(buf + 16 + offsets, mask=group_ok[None, :, None], other=0)
+            if CODE_KIND == 0:
+                y = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                y = codes.to(tl.float8e5, bitcast=True).to(tl.float32)
+        if SCALE_MODE == 3:
+            group_byte = tl.load(buf + scales_offset + groups, mask=group_ok, other=0)
+            message_bytes = tl.load(buf + scales_offset + n_groups + tl.arange(0, 4)).to(tl.uint32)
+            word = tl.sum(message_bytes << (tl.arange(0, 4) * 8), axis=0)
+            scale = group_byte.to(tl.float8e4nv, bitcast=True).to(tl.float32) * word.to(tl.float32, bitcast=True)
+            scale = tl.where((group_byte & 0x7F) == 0x7F, float("nan"), scale)  # E4M3's NaN (the interpreter: 448)
+        elif SCALE_MODE == 2:
+            exponent = tl.load(buf + scales_offset + groups, mask=group_ok, other=127).to(tl.int32)
+            scale = (tl.minimum(tl.maximum(exponent, 1), 254) << 23).to(tl.float32, bitcast=True)
+            scale = tl.where(exponent == 255, float("nan"), scale)
+        else:
+            scale_ptr = (buf + scales_offset).to(tl.pointer_type(tl.float32))
+            stride: tl.constexpr = 2 if SCALE_MODE == 1 else 1
+            scale = tl.load(scale_ptr + stride * groups, mask=group_ok, other=1.0)
+        y = y * scale[None, :, None]
+        if SCALE_MODE == 1:  # dual: each message is transformed and divided by its own s_a
+            s_a = tl.load(scale_ptr + 2 * groups + 1, mask=group_ok, other=1.0)
+            acc += tl.math.div_rn(_fwht(y, BLOCK_G, G, LOG2G, S, LOG2S) * INV_SQRT_G, s_a[None, :, None])
+        else:  # one scale per group: sum q * s first, transform once after the loop
+            acc += y
+        buf += buf_stride  # pointer arithmetic is 64-bit: no overflow past 2 GiB
+    if ASH and SCALE_MODE != 1:
+        acc = _fwht(acc, BLOCK_G, G, LOG2G, S, LOG2S) * INV_SQRT_G
+    if OUT_MANTISSA_BITS < 23 and not HW_ROUNDING:  # bf16/fp16 output: the interpreter truncates
+        acc = _round_to_grid(acc, OUT_MANTISSA_BITS, OUT_MIN_NORMAL, OUT_SUBNORMAL_SHIFTER)
+    if WHOLE_GROUPS:
+        mask = group_ok[None, :, None]
+    else:
+        mask = offsets < numel
+    tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _grid_constants(mantissa_bits: int, min_normal_exp: int, prefix: str = "") -> dict:
+    """Constexprs of ``_round_to_grid`` for a float format (mantissa bits, smallest normal exponent)."""
+    subnormal_step_exp = min_normal_exp - mantissa_bits
+    return {
+        prefix + "MANTISSA_BITS": mantissa_bits,
+        prefix + "MIN_NORMAL": 2.0**min_normal_exp,
+        prefix + "SUBNORMAL_SHIFTER": 1.5 * 2.0 ** (subnormal_step_exp + 23),
+    }
+
+
+_OUTPUT_GRIDS = {torch.float32: (23, -126), torch.bfloat16: (7, -126), torch.float16: (10, -14)}
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # not triton.cdiv: a JIT function, ~9 us per call from Python
+
+
+# Everything a launch passes besides its tensors and sizes, built once per (settings, launch shape, device kind):
+# a TP step launches hundreds of these kernels, and the host's time per launch adds up on fast links.
+@functools.lru_cache(maxsize=None)
+def _common(settings: CodecSettings, launch: Tuple[int, int, int], on_gpu: bool) -> dict:
+    """The constexprs every kernel shares, and the launch options (warps; no fused multiply-add on GPUs)."""
+    g = settings.group_size
+    elements, warps, plane = launch
+    plane = min(plane, g)
+    return dict(
+        G=g,
+        LOG2G=g.bit_length() - 1,
+        S=plane,
+        LOG2S=plane.bit_length() - 1,
+        # at least one group per thread on a GPU: a smaller tile would be computed twice by the spare threads
+        BLOCK_G=max(1, elements // g, 32 * warps if on_gpu else 1),
+        ASH=settings.transform == "ash",
+        SCALE_MODE=_SCALE_MODE_IDS[settings.scales],
+        INV_SQRT_G=reference.inv_sqrt_group(g),
+        FP8_MAX=settings.format.max_value,
+        **(dict(num_warps=warps, enable_fp_fusion=False) if on_gpu else {}),
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _compress_constants(settings: CodecSettings, launch: Tuple[int, int, int], on_gpu: bool) -> dict:
+    fmt = settings.format
+    return dict(
+        _common(settings, launch, on_gpu),
+        CODE_KIND=fmt.code_id,  # 0: E4M3, 1: E5M2, 2: E2M1, 3: INT4 (the wire's format id)
+        STOCHASTIC=settings.rounding == "stochastic",
+        HW_ROUNDING=on_gpu,
+        NAN_BYTE=NAN_CODE,
+        **_grid_constants(fmt.mantissa_bits, fmt.min_normal_exp),
+        **{f"E4M3_{k}": v for k, v in _grid_constants(3, -6).items() if k != "MANTISSA_BITS"},
+    )
+
+
+@functools.lru_cache(maxsize=None)
+def _decompress_constants(
+    settings: CodecSettings, launch: Tuple[int, int, int], on_gpu: bool, out_dtype: torch.dtype
+) -> dict:
+    constants = dict(_common(settings, launch, on_gpu), CODE_KIND=settings.format.code_id, HW_ROUNDING=on_gpu)
+    del constants["FP8_MAX"]
+    return dict(constants, **_grid_constants(*_OUTPUT_GRIDS[out_dtype], prefix="OUT_"))
+
+
+def compress_rows(x: torch.Tensor, out: torch.Tensor, settings: CodecSettings, seed: int = 0) -> None:
+    """Compress each row of ``x`` [R, m] (unit column stride) into the rows of ``out`` [R, nbytes]; ``seed``:
+    this call's stochastic-rounding seed (unused with rounding="nearest")."""
+    rows, numel = x.shape
+    n_groups, _, scales_offset = settings.layout(numel)
+    launch = LAUNCH_CONFIG["compress"]
+    constants = _compress_constants(settings, launch, x.is_cuda)
+    grid = (max(1, _cdiv(n_groups, constants["BLOCK_G"])), rows)
+    whole_groups = numel == n_groups * settings.group_size
+    row_amax = x  # a placeholder pointer: read only by scales="e4m3"
+    if settings.scales == "e4m3":  # first pass: every group's max, then the row's
+        group_amax = torch.empty(rows, n_groups, dtype=torch.float32, device=x.device)
+        _first_pass_kernel[grid](
+            x,
+            group_amax,
+            x.stride(0),
+            numel,
+            n_groups,
+            settings.eps,
+            WHOLE_GROUPS=whole_groups,
+            WRITE_Y=False,
+            **_common(settings, launch, x.is_cuda),
+        )
+        row_amax = group_amax.amax(dim=1)
+    _compress_kernel[grid](
+        x,
+        out,
+        x.stride(0),
+        out.stride(0),
+        numel,
+        n_groups,
+        scales_offset,
+        *header_words(settings, numel),
+        settings.eps,
+        seed,
+        row_amax,
+        WHOLE_GROUPS=whole_groups,
+        **constants,
+    )
+
+
+def transform_rows(x: torch.Tensor, y: torch.Tensor, settings: CodecSettings) -> None:
+    """y [R, n_groups * G] fp32 (contiguous) <- each row of x [R, m] as the compress kernel sees it before its
+    scale: transformed (ASH) or not, zero-padded, NaN over non-finite groups (``codec.te_cast``)."""
+    rows, numel = x.shape
+    n_groups = settings.num_groups(numel)
+    common = _common(settings, LAUNCH_CONFIG["compress"], x.is_cuda)
+    _first_pass_kernel[(max(1, _cdiv(n_groups, common["BLOCK_G"])), rows)](
+        x,
+        y,
+        x.stride(0),
+        numel,
+        n_groups,
+        settings.eps,
+        WHOLE_GROUPS=numel == n_groups * settings.group_size,
+        WRITE_Y=True,
+        **common,
+    )
+
+
+def decompress_rows(bufs: torch.Tensor, out: torch.Tensor, settings: CodecSettings) -> None:
+    """out[r] = fp32 sum of the decodes of messages bufs[r * N : (r + 1) * N], N = len(bufs) / len(out).
+
+    ``out`` is [R, m] with unit column stride (row stride free: slices of a larger tensor work).
+    """
+    rows, numel = out.shape
+    if numel == 0 or rows == 0:
+        return
+    if bufs.shape[0] % rows:
+        raise ValueError(f"{bufs.shape[0]} messages do not split evenly over {rows} output rows")
+    n_groups, _, scales_offset = settings.layout(numel)
+    constants = _decompress_constants(settings, LAUNCH_CONFIG["decompress_sum"], bufs.is_cuda, out.dtype)
+    _decompress_sum_kernel[(_cdiv(n_groups, constants["BLOCK_G"]), rows)](
+        bufs,
+        out,
+        bufs.shape[0] // rows,
+        bufs.stride(0),
+        out.stride(0),
+        numel,
+        n_groups,
+        scales_offset,
+        WHOLE_GROUPS=numel == n_groups * settings.group_size,
+        **constants,
+    )
