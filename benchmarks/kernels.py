@@ -132,8 +132,8 @@ def main() -> None:
 
 
 def _sweep_launch_configs(codec: TacoCodec, dtypes) -> list:
-    """Time each kernel at 256 MiB for several tiles and warp counts; keep the best."""
-    configs = [(tile, warps) for tile in (512, 1024, 2048) for warps in (1, 2, 4)]
+    """Time each kernel at 256 MiB for several warp counts and elements per thread; keep the best."""
+    configs = [(warps, per_thread) for warps in (1, 2, 4) for per_thread in (8, 16, 32, 64)]
     inputs = {
         dtype: torch.randn(256 * MIB // torch.empty((), dtype=dtype).element_size(), device="cuda", dtype=dtype)
         for dtype in dtypes
@@ -152,11 +152,11 @@ def _sweep_launch_configs(codec: TacoCodec, dtypes) -> list:
                     bufs = buf.unsqueeze(0).repeat(2, 1)
                     total += _bench(lambda: codec.decompress_sum(bufs, x.shape, dtype, validate=False))
             results.append((kernel, config, total))
-            print(f"sweep {kernel} tile={config[0]} warps={config[1]}: {total:.3f} ms", flush=True)
+            print(f"sweep {kernel} warps={config[0]} elements per thread={config[1]}: {total:.3f} ms", flush=True)
             if best is None or total < best[1]:
                 best = (config, total)
         taco_kernels.LAUNCH_CONFIG[kernel] = best[0]
-        print(f"chosen {kernel}: tile={best[0][0]} warps={best[0][1]}", flush=True)
+        print(f"chosen {kernel}: warps={best[0][0]} elements per thread={best[0][1]}", flush=True)
     return results
 
 
@@ -180,7 +180,7 @@ def _write(args, rows, sweep, codec_description: str) -> None:
         "messages + output.",
         "",
         f"- Launch configs{' (shipped)' if args.no_sweep else ' chosen by the sweep below'}: "
-        f"{dict(taco_kernels.LAUNCH_CONFIG)} (elements per program, warps).",
+        f"{dict(taco_kernels.LAUNCH_CONFIG)} (warps, elements per thread).",
         "",
         "| dtype | MiB | copy GB/s | compress ms | compress / copy | decompress ms | decompress / copy | "
         "decompress-sum N=2 / copy | N=4 / copy | back to back: copy GB/s | compress / copy | decompress / copy | "
@@ -200,7 +200,7 @@ def _write(args, rows, sweep, codec_description: str) -> None:
             "",
             f"## Launch-config sweep (256 MiB, sum of the {args.dtypes} times)",
             "",
-            "| kernel | elements per program | warps | ms |",
+            "| kernel | warps | elements per thread | ms |",
             "|---|---|---|---|",
         ]
         lines += [f"| {k} | {c[0]} | {c[1]} | {t:.3f} |" for k, c, t in sweep]

@@ -73,6 +73,22 @@ MUTATIONS = [  # (what, file, text, replaced by, tests, -k) or file None: SCALE_
         "",
     ),
     (
+        "a thread's elements taken at the stride of the group's threads (kernel tile)",
+        "megatron_taco/codec/kernels.py",
+        "    t = tl.arange(0, THREADS)[:, None, None, None] * (K * W)\n    k = tl.arange(0, K)[None, None, :, None] * W",
+        "    t = tl.arange(0, THREADS)[:, None, None, None] * W\n    k = tl.arange(0, K)[None, None, :, None] * (THREADS * W)",
+        "tests/test_kernels.py",
+        "launch_shape",
+    ),
+    (
+        "E2M1 codes from 1 up one too large (kernel)",
+        "megatron_taco/codec/kernels.py",
+        "    normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252",
+        "    normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 251",
+        "tests/test_codec_4bit.py",
+        "",
+    ),
+    (
         "e4m3 message scale over M x 440 (kernel)",
         "megatron_taco/codec/kernels.py",
         "FP8_MAX * 448.0",

@@ -11,7 +11,7 @@ import zlib
 import pytest
 import torch
 
-from megatron_taco.codec import TacoCodec
+from megatron_taco.codec import TacoCodec, kernels
 from megatron_taco.codec.format import CodecSettings
 from megatron_taco.testing import float64 as f64
 from megatron_taco.testing.tensors import DISTRIBUTIONS
@@ -171,3 +171,35 @@ def test_empty_input():
     buf = tri.compress(torch.empty(0, device=DEVICE))
     assert torch.equal(buf.cpu(), TacoCodec(backend="torch").compress(torch.empty(0)))
     assert tri.decompress(buf, (0,)).numel() == 0
+
+
+LAUNCH_SETTINGS = [  # the default, plain FP8, and the three 4-bit layouts (nearest and stochastic rounding)
+    dict(group_size=128),
+    dict(group_size=256, transform="none"),
+    dict(group_size=128, fmt="int4"),
+    dict(group_size=32, fmt="e2m1", scales="e8m0"),
+    dict(group_size=32, fmt="int4", scales="e8m0", rounding="stochastic", seed=3),
+    dict(group_size=16, fmt="e2m1", scales="e4m3"),
+]
+
+
+@pytest.mark.parametrize("launch", [(1, 8), (2, 32), (4, 16), (1, 64)], ids=str)
+@pytest.mark.parametrize("settings", LAUNCH_SETTINGS, ids=_ids)
+def test_every_launch_shape_writes_the_reference_bytes(settings, launch, monkeypatch):
+    """Warps and elements per thread only move work between threads: compress writes the reference's bytes and
+    decompress-sum its fp32 sums at every launch shape (elements per thread are capped to [VEC, G]), on the hard
+    inputs of a message: an outlier, an all-zero group, NaN and Inf groups, a ragged tail."""
+    monkeypatch.setitem(kernels.LAUNCH_CONFIG, "compress", launch)
+    monkeypatch.setitem(kernels.LAUNCH_CONFIG, "decompress_sum", launch)
+    ref = TacoCodec(**settings, backend="torch")
+    tri = TacoCodec(**settings, backend="triton")
+    x = torch.stack([_input(d, 4133, seed=7) for d in ("gaussian", "student_t3")]).cpu() * 3
+    x[0, 5], x[0, 512:768], x[1, 1000], x[1, 2100] = 90.0, 0.0, float("nan"), -float("inf")
+    messages = ref.compress_rows(x)
+    assert torch.equal(tri.compress_rows(x.to(DEVICE)).cpu(), messages)
+    for rows in (2, 1):  # all-gather (one message per row) and reduce-scatter (both messages summed)
+        expected, got = torch.empty(rows, x.shape[1]), torch.empty(rows, x.shape[1], device=DEVICE)
+        ref.decompress_rows(messages, expected)
+        tri.decompress_rows(messages.to(DEVICE), got)
+        assert torch.equal(expected.isnan(), got.cpu().isnan())
+        assert torch.equal(expected.nan_to_num(0.0), got.cpu().nan_to_num(0.0))

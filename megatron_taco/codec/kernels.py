@@ -13,11 +13,19 @@ reference (:mod:`megatron_taco.codec.reference`), so they write the same bytes:
 * narrowing casts (fp32 -> FP8, bf16, fp16) round to nearest even: on a GPU the hardware conversion does
   (``HW_ROUNDING``); Triton's CPU interpreter rounds fp32 -> fp8 wrongly (it loses the carry across a
   binade and truncates subnormals), so there the value is first rounded to the target grid in fp32
-  (``_round_to_grid``) and then converts exactly; FP4 E2M1 codes come from comparisons with the grid's
-  midpoints (``_e2m1_codes``), ties to the even code.
+  (``_round_to_grid``) and then converts exactly; FP4 E2M1 codes come from |q| rounded in
+  integer and fp32 arithmetic (``_e2m1_codes``), ties to the even code.
 
 One program handles BLOCK_G consecutive groups of G elements: a [BLOCK_G, G]
-tile, loaded once and written once (a single pass over the input).
+tile, loaded once and written once (a single pass over the input). Each thread holds E contiguous elements
+of one group (the launch's elements per thread; THREADS = G / E threads share a group), read and written as
+accesses of 16 contiguous bytes of each tensor (X_VEC input elements, CODE_VEC codes, OUT_VEC outputs). A
+butterfly stage on an index bit inside a thread is one addition per element, with no exchange between threads:
+with E = 32, five of the seven stages of G = 128. Each tensor moves through memory as [THREADS, BLOCK_G, K, VEC]
+(``_tile_offsets``), BLOCK_G = 32 * warps / THREADS: Triton lays a warp's lanes along axis 0, then axis 1
+(the axes whose addresses are not contiguous are taken in index order), so the lanes and warps cover the
+first two axes exactly and the third stays in each thread's registers. Triton 3.6 and 3.9 compile it so
+(their TTGIR); another layout would change the speed, never the bytes.
 """
 
 from __future__ import annotations
@@ -35,9 +43,32 @@ from megatron_taco.codec.format import NAN_CODE, CodecSettings, header_words
 __all__ = ["LAUNCH_CONFIG", "compress_rows", "decompress_rows", "transform_rows"]
 
 _SCALE_MODE_IDS = {"fp32": 0, "dual": 1, "e8m0": 2, "e4m3": 3}
-# GPU launch shape: elements per program (BLOCK_G = tile // G) and warps, per kernel.
-# Chosen from the sweep in benchmarks/kernels.py (see benchmarks/results/kernels.md).
-LAUNCH_CONFIG = {"compress": (1024, 2), "decompress_sum": (1024, 2)}
+# GPU launch shape, per kernel: (warps, elements per thread E; at least one access, at most G). Chosen from the sweep
+# in benchmarks/kernels.py (see benchmarks/results/kernels.md).
+LAUNCH_CONFIG = {"compress": (2, 32), "decompress_sum": (2, 32)}
+
+
+@triton.jit
+def _tile_offsets(groups, UNITS: tl.constexpr, THREADS: tl.constexpr, W: tl.constexpr):
+    """Offsets [THREADS, BLOCK_G, K, W] of the groups' units (elements, or packed bytes), UNITS per group:
+    thread t of a group holds units [t * K * W, (t + 1) * K * W) as K accesses of W contiguous units."""
+    K: tl.constexpr = UNITS // (THREADS * W)
+    t = tl.arange(0, THREADS)[:, None, None, None] * (K * W)
+    k = tl.arange(0, K)[None, None, :, None] * W
+    c = tl.arange(0, W)[None, None, None, :]
+    return groups.to(tl.int64)[None, :, None, None] * UNITS + (t + k + c)
+
+
+@triton.jit
+def _to_rows(v, BLOCK_G: tl.constexpr, UNITS: tl.constexpr):
+    """A tile in memory order [THREADS, BLOCK_G, K, W] -> [BLOCK_G, UNITS], each group's units in order."""
+    return tl.reshape(tl.permute(v, (1, 0, 2, 3)), (BLOCK_G, UNITS))
+
+
+@triton.jit
+def _to_tile(v, BLOCK_G: tl.constexpr, UNITS: tl.constexpr, THREADS: tl.constexpr, W: tl.constexpr):
+    """[BLOCK_G, UNITS] -> the memory order [THREADS, BLOCK_G, K, W] of ``_tile_offsets`` (``_to_rows`` undone)."""
+    return tl.permute(tl.reshape(v, (BLOCK_G, THREADS, UNITS // (THREADS * W), W)), (1, 0, 2, 3))
 
 
 @triton.jit
@@ -56,15 +87,15 @@ def _fwht(v, BLOCK_G: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
 
     Stage b views each group as [G / 2^(b+1), 2, 2^b] and replaces the pair (a, b) on the size-2 axis by
     (a + b, a - b): each element fetches its partner once (``tl.flip`` of the pair axis, an exchange of bits:
-    exact) and adds it to itself, negated in the upper half: b + a = a + b, and a + (-b) = a - b in IEEE
-    arithmetic, the reference's operations. No permute of the tile. Where a pair sits in two threads that is
-    one exchange per element; two reductions over the pair axis (the form before) cost two: on H200 FP8 +
-    Hadamard compress went 0.50 -> 0.54 of copy bandwidth, decompress 0.68 -> 0.74 (benchmarks/results/kernels.md).
+    exact) and adds itself times +1, or -1 in the upper half, in one fused multiply-add: fma(a, 1, b) = b + a
+    = a + b and fma(b, -1, a) = a - b, each rounded once as the reference's addition is (the product by +-1
+    is exact). No permute of the tile. Where a pair sits in two threads that is one exchange and one
+    instruction per element (a select of -v and an add before).
     """
-    upper = (tl.arange(0, 2) == 1)[None, :, None]  # the second element of each pair
+    sign = tl.where(tl.arange(0, 2) == 1, -1.0, 1.0)[None, :, None]  # -1 on the second element of each pair
     for b in tl.static_range(LOG2G):
         pairs = tl.reshape(v, (BLOCK_G * (G // (2 << b)), 2, 1 << b))
-        pairs = tl.flip(pairs, 1) + tl.where(upper, -pairs, pairs)
+        pairs = tl.fma(pairs, sign, tl.flip(pairs, 1))
         v = tl.reshape(pairs, (BLOCK_G, G))
     return v
 
@@ -100,19 +131,16 @@ def _round_to_grid(x, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB
 @triton.jit
 def _e2m1_codes(q):
     """4-bit E2M1 codes (s|ee|m) of q rounded to nearest on the grid 0, 0.5, 1, 1.5, 2, 3, 4, 6 (|q| <= 6),
-    ties to the even code (``reference._four_bit_codes``): the magnitude code counts the midpoints below
-    |q|, strictly where the lower neighbour is even (0.25, 1.25, 2.5, 5), inclusively where the upper one
-    is (0.75, 1.75, 3.5). The sign bit is q's, -0.0 included."""
+    ties to the even code (``reference._four_bit_codes``). From 1 up the code is |q|'s exponent and top
+    mantissa bit after rounding the mantissa to 1 bit (integer arithmetic, ties to even; a carry moves to the
+    next exponent): (biased exponent << 1 | m) - 252. Below 1 it is 2|q| rounded to an integer, ties to even
+    (the fp32 adder, with 1.5 * 2^23 added: 0, 1 or 2, the last being 1.0's code). The sign bit is q's, -0.0
+    included."""
     a = tl.abs(q)
-    magnitude = (
-        (a > 0.25).to(tl.int32)
-        + (a >= 0.75).to(tl.int32)
-        + (a > 1.25).to(tl.int32)
-        + (a >= 1.75).to(tl.int32)
-        + (a > 2.5).to(tl.int32)
-        + (a >= 3.5).to(tl.int32)
-        + (a > 5.0).to(tl.int32)
-    )
+    bits = a.to(tl.uint32, bitcast=True)
+    normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252
+    below_one = ((a + a) + 12582912.0).to(tl.uint32, bitcast=True) & 0x3
+    magnitude = tl.where(a < 1.0, below_one, normal).to(tl.int32)
     sign = ((q.to(tl.uint32, bitcast=True) >> 31) & 1).to(tl.int32)
     return magnitude | (sign << 3)
 
@@ -152,6 +180,12 @@ def _four_bit_values(codes, INTEGER: tl.constexpr):
 
 
 @triton.jit
+def _max_keeping_nan(a, b):
+    """max(a, b), NaN if either is (a GPU's plain max returns the other operand)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _transform_and_amax(
     x,
     eps,
@@ -179,9 +213,9 @@ def _transform_and_amax(
             y = _fwht(x, BLOCK_G, G, LOG2G) * INV_SQRT_G
     else:
         y = x
-    # max |y| with NaN counted as Inf (a GPU max skips NaN): a group is non-finite iff that max is Inf.
-    amax = tl.max(tl.where(y != y, float("inf"), tl.abs(y)), axis=1)
-    nonfinite = amax == float("inf")
+    # max |y|, NaN if any is: a group is non-finite iff that max is Inf or NaN.
+    amax = tl.reduce(tl.abs(y), 1, _max_keeping_nan)
+    nonfinite = (amax == float("inf")) | (amax != amax)
     amax = tl.where(nonfinite, 0.0, amax)
     return y, s_a, amax, nonfinite
 
@@ -202,6 +236,9 @@ def _first_pass_kernel(
     FP8_MAX: tl.constexpr,
     INV_SQRT_G: tl.constexpr,
     WRITE_Y: tl.constexpr,  # True: out = y [R, n_groups * G]; False: out = per-group max [R, n_groups]
+    THREADS: tl.constexpr,  # threads per group (``_tile_offsets``)
+    X_VEC: tl.constexpr,  # input elements per access (16 bytes)
+    Y_VEC: tl.constexpr,  # fp32 outputs per access (4)
 ):
     """What the compress kernel computes before its scale, written out for a pass that needs it first.
 
@@ -213,12 +250,17 @@ def _first_pass_kernel(
     pid = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     groups = pid * BLOCK_G + tl.arange(0, BLOCK_G)
-    offsets = groups.to(tl.int64)[:, None] * G + tl.arange(0, G)[None, :]
+    offsets = _tile_offsets(groups, G, THREADS, X_VEC)
     x = tl.load(x_ptr + row * x_row_stride + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
+    x = _to_rows(x, BLOCK_G, G)
     y, _, amax, nonfinite = _transform_and_amax(x, eps, G, LOG2G, BLOCK_G, ASH, SCALE_MODE, FP8_MAX, INV_SQRT_G)
     if WRITE_Y:
-        y = tl.where(nonfinite[:, None], float("nan"), y)
-        tl.store(out_ptr + row * n_groups * G + offsets, y, mask=(groups < n_groups)[:, None])
+        y = _to_tile(tl.where(nonfinite[:, None], float("nan"), y), BLOCK_G, G, THREADS, Y_VEC)
+        tl.store(
+            out_ptr + row * n_groups * G + _tile_offsets(groups, G, THREADS, Y_VEC),
+            y,
+            mask=(groups < n_groups)[None, :, None, None],
+        )
     else:
         tl.store(out_ptr + row * n_groups + groups, amax, mask=groups < n_groups)
 
@@ -255,24 +297,24 @@ def _compress_kernel(
     E4M3_MIN_NORMAL: tl.constexpr,  # the E4M3 grid of scales="e4m3"'s group bytes
     E4M3_SUBNORMAL_SHIFTER: tl.constexpr,
     HW_ROUNDING: tl.constexpr,  # True on a GPU: casts round to nearest even in hardware (else _round_to_grid)
+    THREADS: tl.constexpr,  # threads per group (``_tile_offsets``)
+    X_VEC: tl.constexpr,  # input elements per access (16 bytes)
+    CODE_VEC: tl.constexpr,  # codes per access (16 bytes; at most G)
 ):
     """Row program_id(1) of x (``numel`` elements each) -> row program_id(1) of out (one message each)."""
     pid = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     x_ptr += row * x_row_stride
     out_ptr += row * out_row_stride
-    if pid == 0:  # the 16-byte header: magic, settings, element count
-        words = tl.where(
-            tl.arange(0, 4) == 0,
-            head0,
-            tl.where(tl.arange(0, 4) == 1, head1, tl.where(tl.arange(0, 4) == 2, head2, head3)),
-        )
-        tl.store(out_ptr.to(tl.pointer_type(tl.int32)) + tl.arange(0, 4), words)
+    if pid == 0:  # the 16-byte header (magic, settings, element count), bytewise: rows need no alignment
+        index = tl.arange(0, 16)
+        word = tl.where(index < 4, head0, tl.where(index < 8, head1, tl.where(index < 12, head2, head3)))
+        tl.store(out_ptr + index, ((word >> ((index % 4) * 8)) & 0xFF).to(tl.uint8))
 
     groups = pid * BLOCK_G + tl.arange(0, BLOCK_G)
     group_ok = groups < n_groups
-    offsets = groups.to(tl.int64)[:, None] * G + tl.arange(0, G)[None, :]
-    x = tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
+    x_offsets = _tile_offsets(groups, G, THREADS, X_VEC)
+    x = _to_rows(tl.load(x_ptr + x_offsets, mask=x_offsets < numel, other=0.0).to(tl.float32), BLOCK_G, G)
     fp8_max = tl.full((BLOCK_G,), FP8_MAX, tl.float32)
 
     y, s_a, amax, nonfinite = _transform_and_amax(x, eps, G, LOG2G, BLOCK_G, ASH, SCALE_MODE, FP8_MAX, INV_SQRT_G)
@@ -287,24 +329,24 @@ def _compress_kernel(
             ratio = _round_to_grid(ratio, 3, E4M3_MIN_NORMAL, E4M3_SUBNORMAL_SHIFTER)
         group_bytes = tl.where(nonfinite, NAN_BYTE, ratio.to(tl.float8e4nv).to(tl.uint8, bitcast=True))
         group_scale = group_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float32) * message_scale
-        q = (
-            y
-            * tl.where(group_scale > 0, tl.math.div_rn(tl.full((BLOCK_G,), 1.0, tl.float32), group_scale), 0.0)[:, None]
-        )
+        inverse = tl.where(group_scale > 0, tl.math.div_rn(tl.full((BLOCK_G,), 1.0, tl.float32), group_scale), 0.0)
     elif SCALE_MODE == 2:
         need_bits = tl.math.div_rn(amax, fp8_max).to(tl.int32, bitcast=True)
         exponent = ((need_bits >> 23) & 0xFF) - 127 + ((need_bits & 0x7FFFFF) != 0).to(tl.int32)
         exponent = tl.minimum(tl.maximum(exponent, -126), 126)
-        q = y * ((127 - exponent) << 23).to(tl.float32, bitcast=True)[:, None]
+        inverse = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
     else:
         s_q = tl.where(amax > 0, tl.math.div_rn(amax, fp8_max), 1.0)
         s_q = tl.where(nonfinite, float("nan"), s_q)
-        # one IEEE division per group, a multiply per element
-        q = y * tl.where(amax > 0, tl.math.div_rn(fp8_max, amax), 1.0)[:, None]
+        inverse = tl.where(amax > 0, tl.math.div_rn(fp8_max, amax), 1.0)  # one IEEE division per group
+    # one multiply per element; NaN over a non-finite group, which a GPU's FP8 cast writes as NAN_BYTE
+    q = y * tl.where(nonfinite, float("nan"), inverse)[:, None]
 
-    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    if CODE_KIND >= 2 or not HW_ROUNDING:  # a GPU's FP8 cast saturates (satfinite) to the same +-M
+        q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
     if CODE_KIND >= 2:  # 4 bits, two per byte; a non-finite group's NaN scale decodes it to NaN
         if STOCHASTIC:
+            offsets = _to_rows(x_offsets, BLOCK_G, G)
             index = (row * (n_groups * G) + offsets) & 0xFFFFFFFF  # element of this call, rows padded to groups
             magnitude = _stochastic_magnitude(tl.abs(q), _uniform_noise(index ^ seed), CODE_KIND == 3, FP8_MAX)
             r = tl.where(q < 0, -magnitude, magnitude)
@@ -316,12 +358,13 @@ def _compress_kernel(
             nibbles = ((q + 12582912.0) - 12582912.0).to(tl.int32) & 0xF  # integers, ties to even
         else:
             nibbles = _e2m1_codes(q)
-        nibbles = tl.where(nonfinite[:, None], 0, nibbles)
         # byte i = element 2i | element 2i + 1 << 4, as a sum over the pair axis (no split: the layout stays)
         nibble_shift = (tl.arange(0, 2) * 4)[None, None, :]
         packed = tl.sum(tl.reshape(nibbles, (BLOCK_G, G // 2, 2)) << nibble_shift, axis=2)
-        packed_offsets = groups.to(tl.int64)[:, None] * (G // 2) + tl.arange(0, G // 2)[None, :]
-        tl.store(out_ptr + 16 + packed_offsets, packed.to(tl.uint8), mask=group_ok[:, None])
+        packed = tl.where(nonfinite[:, None], 0, packed)
+        packed_offsets = _tile_offsets(groups, G // 2, THREADS, CODE_VEC // 2)
+        packed = _to_tile(packed.to(tl.uint8), BLOCK_G, G // 2, THREADS, CODE_VEC // 2)
+        tl.store(out_ptr + 16 + packed_offsets, packed, mask=group_ok[None, :, None, None])
     else:
         if not HW_ROUNDING:
             q = _round_to_grid(q, MANTISSA_BITS, MIN_NORMAL, SUBNORMAL_SHIFTER)
@@ -329,8 +372,10 @@ def _compress_kernel(
             codes = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
         else:
             codes = q.to(tl.float8e5).to(tl.uint8, bitcast=True)
-        codes = tl.where(nonfinite[:, None], NAN_BYTE, codes)
-        tl.store(out_ptr + 16 + offsets, codes, mask=group_ok[:, None])
+        if not HW_ROUNDING:  # the interpreter's cast of NaN may keep its sign
+            codes = tl.where(nonfinite[:, None], NAN_BYTE, codes)
+        codes = _to_tile(codes, BLOCK_G, G, THREADS, CODE_VEC)
+        tl.store(out_ptr + 16 + _tile_offsets(groups, G, THREADS, CODE_VEC), codes, mask=group_ok[None, :, None, None])
 
     if SCALE_MODE == 3:
         tl.store(out_ptr + scales_offset + groups, group_bytes, mask=group_ok)
@@ -371,6 +416,9 @@ def _decompress_sum_kernel(
     OUT_MIN_NORMAL: tl.constexpr,
     OUT_SUBNORMAL_SHIFTER: tl.constexpr,
     HW_ROUNDING: tl.constexpr,  # True on a GPU: the output cast rounds to nearest even in hardware
+    THREADS: tl.constexpr,  # threads per group (``_tile_offsets``)
+    CODE_VEC: tl.constexpr,  # codes per access (16 bytes; at most G)
+    OUT_VEC: tl.constexpr,  # output elements per access (16 bytes)
 ):
     """out = sum over r of decode(bufs[r]) in fp32, in order r = 0, 1, ...
 
@@ -384,18 +432,20 @@ def _decompress_sum_kernel(
     out_ptr += row * out_row_stride
     groups = pid * BLOCK_G + tl.arange(0, BLOCK_G)
     group_ok = groups < n_groups
-    offsets = groups.to(tl.int64)[:, None] * G + tl.arange(0, G)[None, :]
+    tile_mask = group_ok[None, :, None, None]
+    code_offsets = _tile_offsets(groups, G, THREADS, CODE_VEC)
+    packed_offsets = _tile_offsets(groups, G // 2, THREADS, CODE_VEC // 2)
     acc = tl.zeros((BLOCK_G, G), tl.float32)
     buf = bufs_ptr
     for _ in range(n_bufs):
         if CODE_KIND >= 2:
-            packed_offsets = groups.to(tl.int64)[:, None] * (G // 2) + tl.arange(0, G // 2)[None, :]
-            packed = tl.load(buf + 16 + packed_offsets, mask=group_ok[:, None], other=0).to(tl.int32)
+            packed = tl.load(buf + 16 + packed_offsets, mask=tile_mask, other=0).to(tl.int32)
+            packed = _to_rows(packed, BLOCK_G, G // 2)
             # elements 2i, 2i + 1 (a join: unpacking by a broadcast shift made INT4 sums of N >= 2 messages 10x slower)
             nibbles = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_G, G))
             y = _four_bit_values(nibbles, CODE_KIND == 3)
         else:
-            codes = tl.load(buf + 16 + offsets, mask=group_ok[:, None], other=0)
+            codes = _to_rows(tl.load(buf + 16 + code_offsets, mask=tile_mask, other=0), BLOCK_G, G)
             if CODE_KIND == 0:
                 y = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
             else:
@@ -425,7 +475,9 @@ def _decompress_sum_kernel(
         acc = _fwht(acc, BLOCK_G, G, LOG2G) * INV_SQRT_G
     if OUT_MANTISSA_BITS < 23 and not HW_ROUNDING:  # bf16/fp16 output: the interpreter truncates
         acc = _round_to_grid(acc, OUT_MANTISSA_BITS, OUT_MIN_NORMAL, OUT_SUBNORMAL_SHIFTER)
-    tl.store(out_ptr + offsets, acc.to(out_ptr.dtype.element_ty), mask=offsets < numel)
+    acc = _to_tile(acc.to(out_ptr.dtype.element_ty), BLOCK_G, G, THREADS, OUT_VEC)
+    out_offsets = _tile_offsets(groups, G, THREADS, OUT_VEC)
+    tl.store(out_ptr + out_offsets, acc, mask=out_offsets < numel)
 
 
 def _grid_constants(mantissa_bits: int, min_normal_exp: int, prefix: str = "") -> dict:
@@ -448,26 +500,44 @@ def _cdiv(a: int, b: int) -> int:
 # Everything a launch passes besides its tensors and sizes, built once per (settings, launch shape, device kind):
 # a TP step launches hundreds of these kernels, and the host's time per launch adds up on fast links.
 @functools.lru_cache(maxsize=None)
-def _common(settings: CodecSettings, launch: Tuple[int, int], on_gpu: bool) -> dict:
-    """The constexprs every kernel shares, and the launch options (warps; no fused multiply-add on GPUs)."""
+def _common(settings: CodecSettings, launch: Tuple[int, int], on_gpu: bool, accesses: Tuple[int, ...]) -> dict:
+    """The constexprs every kernel shares, and the launch options (warps; no multiply fused into an add on GPUs
+    but the butterflies' explicit ``tl.fma``, exact). ``accesses``: elements per 16-byte access of each tensor
+    the kernel reads or writes; a thread holds at least one of each."""
     g = settings.group_size
+    per_thread = min(g, max(launch[1], *accesses))
     return dict(
         G=g,
         LOG2G=g.bit_length() - 1,
-        BLOCK_G=max(1, launch[0] // g),
+        BLOCK_G=32 * launch[0] * per_thread // g,  # THREADS * BLOCK_G = the launch's threads
+        THREADS=g // per_thread,
         ASH=settings.transform == "ash",
         SCALE_MODE=_SCALE_MODE_IDS[settings.scales],
         INV_SQRT_G=reference.inv_sqrt_group(g),
         FP8_MAX=settings.format.max_value,
-        **(dict(num_warps=launch[1], enable_fp_fusion=False) if on_gpu else {}),
+        **(dict(num_warps=launch[0], enable_fp_fusion=False) if on_gpu else {}),
     )
 
 
+def _access(bits: int, group_size: int) -> int:
+    """Elements of ``bits`` bits in a 16-byte access, at most a group."""
+    return min(group_size, 128 // bits)
+
+
+def _compress_accesses(settings: CodecSettings, x_bits: int) -> Tuple[int, int]:
+    """(input elements, codes) per access of the compress kernel and of its first pass: one grid for both."""
+    return _access(x_bits, settings.group_size), _access(settings.format.bits, settings.group_size)
+
+
 @functools.lru_cache(maxsize=None)
-def _compress_constants(settings: CodecSettings, launch: Tuple[int, int], on_gpu: bool) -> dict:
+def _compress_constants(settings: CodecSettings, launch: Tuple[int, int], on_gpu: bool, x_bits: int) -> dict:
+    """The compress kernel's constexprs; its first pass (``_first_pass_constants``) shares its grid."""
     fmt = settings.format
+    accesses = _compress_accesses(settings, x_bits)
     return dict(
-        _common(settings, launch, on_gpu),
+        _common(settings, launch, on_gpu, accesses),
+        X_VEC=accesses[0],
+        CODE_VEC=accesses[1],
         CODE_KIND=fmt.code_id,  # 0: E4M3, 1: E5M2, 2: E2M1, 3: INT4 (the wire's format id)
         STOCHASTIC=settings.rounding == "stochastic",
         HW_ROUNDING=on_gpu,
@@ -478,10 +548,25 @@ def _compress_constants(settings: CodecSettings, launch: Tuple[int, int], on_gpu
 
 
 @functools.lru_cache(maxsize=None)
+def _first_pass_constants(settings: CodecSettings, launch: Tuple[int, int], on_gpu: bool, x_bits: int) -> dict:
+    """The first pass's constexprs, on the compress kernel's grid (the same accesses, so the same BLOCK_G)."""
+    accesses = _compress_accesses(settings, x_bits)
+    return dict(_common(settings, launch, on_gpu, accesses), X_VEC=accesses[0], Y_VEC=_access(32, settings.group_size))
+
+
+@functools.lru_cache(maxsize=None)
 def _decompress_constants(
     settings: CodecSettings, launch: Tuple[int, int], on_gpu: bool, out_dtype: torch.dtype
 ) -> dict:
-    constants = dict(_common(settings, launch, on_gpu), CODE_KIND=settings.format.code_id, HW_ROUNDING=on_gpu)
+    g = settings.group_size
+    accesses = (_access(settings.format.bits, g), _access(torch.finfo(out_dtype).bits, g))
+    constants = dict(
+        _common(settings, launch, on_gpu, accesses),
+        CODE_VEC=accesses[0],
+        OUT_VEC=accesses[1],
+        CODE_KIND=settings.format.code_id,
+        HW_ROUNDING=on_gpu,
+    )
     del constants["FP8_MAX"]
     return dict(constants, **_grid_constants(*_OUTPUT_GRIDS[out_dtype], prefix="OUT_"))
 
@@ -492,7 +577,8 @@ def compress_rows(x: torch.Tensor, out: torch.Tensor, settings: CodecSettings, s
     rows, numel = x.shape
     n_groups, _, scales_offset = settings.layout(numel)
     launch = LAUNCH_CONFIG["compress"]
-    constants = _compress_constants(settings, launch, x.is_cuda)
+    x_bits = x.element_size() * 8
+    constants = _compress_constants(settings, launch, x.is_cuda, x_bits)
     grid = (max(1, _cdiv(n_groups, constants["BLOCK_G"])), rows)
     row_amax = x  # a placeholder pointer: read only by scales="e4m3"
     if settings.scales == "e4m3":  # first pass: every group's max, then the row's
@@ -505,7 +591,7 @@ def compress_rows(x: torch.Tensor, out: torch.Tensor, settings: CodecSettings, s
             n_groups,
             settings.eps,
             WRITE_Y=False,
-            **_common(settings, launch, x.is_cuda),
+            **_first_pass_constants(settings, launch, x.is_cuda, x_bits),
         )
         row_amax = group_amax.amax(dim=1)
     _compress_kernel[grid](
@@ -529,9 +615,9 @@ def transform_rows(x: torch.Tensor, y: torch.Tensor, settings: CodecSettings) ->
     scale: transformed (ASH) or not, zero-padded, NaN over non-finite groups (``codec.te_cast``)."""
     rows, numel = x.shape
     n_groups = settings.num_groups(numel)
-    common = _common(settings, LAUNCH_CONFIG["compress"], x.is_cuda)
-    _first_pass_kernel[(max(1, _cdiv(n_groups, common["BLOCK_G"])), rows)](
-        x, y, x.stride(0), numel, n_groups, settings.eps, WRITE_Y=True, **common
+    constants = _first_pass_constants(settings, LAUNCH_CONFIG["compress"], x.is_cuda, x.element_size() * 8)
+    _first_pass_kernel[(max(1, _cdiv(n_groups, constants["BLOCK_G"])), rows)](
+        x, y, x.stride(0), numel, n_groups, settings.eps, WRITE_Y=True, **constants
     )
 
 
