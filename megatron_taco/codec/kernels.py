@@ -19,13 +19,14 @@ reference (:mod:`megatron_taco.codec.reference`), so they write the same bytes:
 One program handles BLOCK_G consecutive groups of G elements: a [BLOCK_G, G]
 tile, loaded once and written once (a single pass over the input). Each thread holds E contiguous elements
 of one group (the launch's elements per thread; THREADS = G / E threads share a group), read and written as
-accesses of 16 contiguous bytes of each tensor (X_VEC input elements, CODE_VEC codes, OUT_VEC outputs). A
+accesses of 16 contiguous bytes of each tensor it reads (X_VEC input elements, CODE_VEC codes). A
 butterfly stage on an index bit inside a thread is one addition per element, with no exchange between threads:
 with E = 32, five of the seven stages of G = 128. Each tensor moves through memory as [THREADS, BLOCK_G, K, VEC]
 (``_tile_offsets``), BLOCK_G = 32 * warps / THREADS: Triton lays a warp's lanes along axis 0, then axis 1
 (the axes whose addresses are not contiguous are taken in index order), so the lanes and warps cover the
-first two axes exactly and the third stays in each thread's registers. Triton 3.6 and 3.9 compile it so
-(their TTGIR); another layout would change the speed, never the bytes.
+first two axes exactly and the third stays in each thread's registers. Triton 3.6 (the H200 machine's)
+compiles it so; 3.9 moves parts through shared memory (benchmarks/results/logs/kernels_exploration_2026-12-01/
+sass_counts.log). A layout changes the speed, never the bytes.
 """
 
 from __future__ import annotations
@@ -418,7 +419,6 @@ def _decompress_sum_kernel(
     HW_ROUNDING: tl.constexpr,  # True on a GPU: the output cast rounds to nearest even in hardware
     THREADS: tl.constexpr,  # threads per group (``_tile_offsets``)
     CODE_VEC: tl.constexpr,  # codes per access (16 bytes; at most G)
-    OUT_VEC: tl.constexpr,  # output elements per access (16 bytes)
 ):
     """out = sum over r of decode(bufs[r]) in fp32, in order r = 0, 1, ...
 
@@ -475,9 +475,11 @@ def _decompress_sum_kernel(
         acc = _fwht(acc, BLOCK_G, G, LOG2G) * INV_SQRT_G
     if OUT_MANTISSA_BITS < 23 and not HW_ROUNDING:  # bf16/fp16 output: the interpreter truncates
         acc = _round_to_grid(acc, OUT_MANTISSA_BITS, OUT_MIN_NORMAL, OUT_SUBNORMAL_SHIFTER)
-    acc = _to_tile(acc.to(out_ptr.dtype.element_ty), BLOCK_G, G, THREADS, OUT_VEC)
-    out_offsets = _tile_offsets(groups, G, THREADS, OUT_VEC)
-    tl.store(out_ptr + out_offsets, acc, mask=out_offsets < numel)
+    # Stored as a plain [BLOCK_G, G] tile: Triton moves it through shared memory so that neighbouring threads
+    # write neighbouring 16 bytes. Stored from the registers (E contiguous elements per thread, each 16 bytes a
+    # separate store: 88ae99a) plain FP8 decompress ran at 0.45 of copy bandwidth on the H200, 0.96 before.
+    out_offsets = groups.to(tl.int64)[:, None] * G + tl.arange(0, G)[None, :]
+    tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=out_offsets < numel)
 
 
 def _grid_constants(mantissa_bits: int, min_normal_exp: int, prefix: str = "") -> dict:
@@ -559,11 +561,10 @@ def _decompress_constants(
     settings: CodecSettings, launch: Tuple[int, int], on_gpu: bool, out_dtype: torch.dtype
 ) -> dict:
     g = settings.group_size
-    accesses = (_access(settings.format.bits, g), _access(torch.finfo(out_dtype).bits, g))
+    code_vec = _access(settings.format.bits, g)
     constants = dict(
-        _common(settings, launch, on_gpu, accesses),
-        CODE_VEC=accesses[0],
-        OUT_VEC=accesses[1],
+        _common(settings, launch, on_gpu, (code_vec,)),
+        CODE_VEC=code_vec,
         CODE_KIND=settings.format.code_id,
         HW_ROUNDING=on_gpu,
     )
