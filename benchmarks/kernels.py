@@ -133,7 +133,8 @@ def main() -> None:
 
 def _sweep_launch_configs(codec: TacoCodec, dtypes) -> list:
     """Time each kernel at 256 MiB for several warp counts and elements per thread; keep the best."""
-    configs = [(warps, per_thread) for warps in (1, 2, 4) for per_thread in (8, 16, 32, 64)]
+    group = codec.settings.group_size  # more elements per thread than a group holds: the same launch
+    configs = sorted({(warps, min(per_thread, group)) for warps in (1, 2, 4) for per_thread in (8, 16, 32, 64)})
     inputs = {
         dtype: torch.randn(256 * MIB // torch.empty((), dtype=dtype).element_size(), device="cuda", dtype=dtype)
         for dtype in dtypes

@@ -6,36 +6,17 @@ shuffles, shared-memory traffic, global load/store widths, instructions. Usage, 
 KERNELS_FILE: another version of megatron_taco/codec/kernels.py to load in its place (e.g. `git show REV:...`);
 TILE,WARPS: one launch shape for both kernels instead of the file's LAUNCH_CONFIG.
 The divisibility attributes matter: a real launch specialises 16-aligned pointers and sizes; without them the
-loads compile to scalars.
+loads compile to scalars. The compiling helpers are sass_counts.py's (beside it).
 """
 
-import importlib.util
+import inspect
 import re
 import sys
 
 import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
 from megatron_taco.codec import TacoCodec
-
-if len(sys.argv) > 1 and sys.argv[1] != "-":
-    spec = importlib.util.spec_from_file_location("kernels_under_test", sys.argv[1])
-    K = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(K)
-else:
-    from megatron_taco.codec import kernels as K
-
-
-def _compile(fn, sig, consts, n_div):
-    consts = dict(consts)
-    num_warps = consts.pop("num_warps")
-    consts.pop("enable_fp_fusion")
-    sig.update({k: "constexpr" for k in consts})
-    attrs = {(i,): [["tt.divisibility", 16]] for i in range(n_div)}
-    src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, enable_fp_fusion=False))
+from sass_counts import COMPRESS_SIGNATURE, DECOMPRESS_SIGNATURE, compile_sm90, load_kernels  # the folder's helpers
 
 
 def _summary(ptx):
@@ -45,18 +26,16 @@ def _summary(ptx):
             f"instructions={instructions} memory={mem}")
 
 
+K = load_kernels(sys.argv[1] if len(sys.argv) > 1 else None)
+takes_dtype = len(inspect.signature(K._compress_constants).parameters) == 4  # the input's bits (88ae99a on)
 for fmt, transform, scales, g in [("e4m3", "ash", "fp32", 128), ("e4m3", "none", "fp32", 128), ("int4", "ash", "fp32", 128),
                                   ("e2m1", "ash", "e8m0", 32)]:
     st = TacoCodec(g, fmt, transform, scales, backend="torch").settings
     shape = tuple(int(v) for v in sys.argv[2].split(",")) if len(sys.argv) > 2 else None
     launch = shape or K.LAUNCH_CONFIG["compress"]
-    sig = {"x_ptr": "*bf16", "out_ptr": "*u8", "x_row_stride": "i64", "out_row_stride": "i64", "numel": "i32",
-           "n_groups": "i32", "scales_offset": "i32", "head0": "i32", "head1": "i32", "head2": "i32", "head3": "i32",
-           "eps": "fp32", "seed": "i32", "row_amax_ptr": "*fp32"}
-    ck = _compile(K._compress_kernel, sig, K._compress_constants(st, launch, True), 7)
+    consts = K._compress_constants(st, launch, True, *([16] if takes_dtype else []))
+    ck = compile_sm90(K._compress_kernel, COMPRESS_SIGNATURE, consts, 7)
     print(f"compress   {fmt} {transform} {scales} G={g} launch={launch}: {_summary(ck.asm['ptx'])}")
     launch = shape or K.LAUNCH_CONFIG["decompress_sum"]
-    sig = {"bufs_ptr": "*u8", "out_ptr": "*bf16", "n_bufs": "i32", "buf_stride": "i64", "out_row_stride": "i64",
-           "numel": "i32", "n_groups": "i32", "scales_offset": "i32"}
-    ck = _compile(K._decompress_sum_kernel, sig, K._decompress_constants(st, launch, True, torch.bfloat16), 8)
+    ck = compile_sm90(K._decompress_sum_kernel, DECOMPRESS_SIGNATURE, K._decompress_constants(st, launch, True, torch.bfloat16), 8)
     print(f"decompress {fmt} {transform} {scales} G={g} launch={launch}: {_summary(ck.asm['ptx'])}")
