@@ -3,7 +3,8 @@
     python -m benchmarks.mapl_loopback --variants 'none;8x;8x+subspace' --seeds 5 --steps 1500 \\
         --parallel 8 --json benchmarks/results/mapl_loopback.json
 
-The model is the PP=2 study's (``mapl_quality.py``: GPT 8 layers, hidden 512, byte-level text) built with
+The model is the PP=2 study's (``mapl_quality.py``: GPT 8 layers, hidden 512, stdlib text; ``--vocab-size 8192``
+swaps its 256 bytes for a BPE vocabulary trained on the training split with ``tokenizers``) built with
 PP=1; after layer 4 (where PP=2 puts its boundary) the hidden states go through MAPL's own
 ``BoundaryCodec`` and back: h -> z = (h - a(t)) U (bf16, the wire) -> z U^T + a(t). One codec serves both
 ends, so autograd sums the two ends' gradients of U and of the anchors, which is what PP=2 does across its
@@ -23,6 +24,7 @@ loss and the paired 95% interval of its difference to ``none`` over the seeds.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -118,11 +120,28 @@ def train_config(shape: ModelShape, seed: int, steps: int, lr: float, warmup: in
     )
 
 
+def text_batches(split: str, shape: ModelShape, micro_batch_size: int, seed: int):
+    """Batches of the stdlib text's ``split`` ('train' or 'valid'): byte-level when the model's vocabulary
+    is 256, else through a BPE vocabulary of that size trained on the training split."""
+    from megatron_taco.training.data import (
+        bpe_text_batches,
+        byte_text_batches,
+        stdlib_text_files,
+        train_bpe_vocabulary,
+    )
+
+    train_files, valid_files = stdlib_text_files()
+    files = train_files if split == "train" else valid_files
+    if shape.vocab_size == 256:
+        return byte_text_batches(files, shape.seq_length, micro_batch_size, seed=seed)
+    vocabulary = train_bpe_vocabulary(train_files, shape.vocab_size)
+    return bpe_text_batches(files, vocabulary, shape.seq_length, micro_batch_size, seed=seed)
+
+
 def train_loopback(cfg, variant: str, steps: int, data_seed: int, eval_iters: int, label: str = "") -> dict:
     """Train ``cfg`` (PP=1) with ``variant``'s boundary after half the layers: training losses, final
     validation loss, parameter count."""
     from megatron_taco.training import loop
-    from megatron_taco.training.data import byte_text_batches, stdlib_text_files
     from megatron_taco.training.loop import Trainer
 
     parsed = _parse(variant)
@@ -160,9 +179,8 @@ def train_loopback(cfg, variant: str, steps: int, data_seed: int, eval_iters: in
         if codec is not None else None
     )  # fmt: skip
     parameters = sum(p.numel() for p in trainer.model.parameters())
-    train_files, valid_files = stdlib_text_files()
     mbs = cfg.micro_batch_size
-    data = byte_text_batches(train_files, shape.seq_length, mbs, seed=data_seed)
+    data = text_batches("train", shape, mbs, seed=data_seed)
     losses = []
     for step in range(1, steps + 1):
         if step % 250 == 0:
@@ -172,17 +190,23 @@ def train_loopback(cfg, variant: str, steps: int, data_seed: int, eval_iters: in
         if manifold is not None:  # U follows the learning-rate schedule, as in the trainer
             manifold.step([codec.projection.grad], lr_scale=lr_now / cfg.lr)
             codec.projection.grad = None
-    valid = trainer.evaluate(byte_text_batches(valid_files, shape.seq_length, mbs, seed=2), eval_iters)
+    valid = trainer.evaluate(text_batches("valid", shape, mbs, seed=2), eval_iters)
     trainer.close()
     return dict(train=losses, valid=valid, parameters=parameters)
 
 
-def _run(variant: str, seed: int, steps: int, lr: float, warmup: int, eval_iters: int) -> dict:
+def _run(variant: str, seed: int, steps: int, lr: float, warmup: int, eval_iters: int, vocab_size: int) -> dict:
     """One run of the study on this process."""
-    cfg = train_config(MODEL, seed, steps, lr, warmup)
+    cfg = train_config(dataclasses.replace(MODEL, vocab_size=vocab_size), seed, steps, lr, warmup)
     return train_loopback(
         cfg, variant, steps, data_seed=1 + seed, eval_iters=eval_iters, label=f"{variant} | seed {seed}"
     )
+
+
+def _vocabulary_words(vocab_size: int) -> str:
+    if vocab_size == 256:
+        return "byte-level vocabulary"
+    return f"BPE vocabulary of {vocab_size} tokens (tokenizers, trained on the training split)"
 
 
 def report(args, results: dict) -> List[str]:
@@ -195,7 +219,7 @@ def report(args, results: dict) -> List[str]:
         f"- Command: `python -m benchmarks.mapl_loopback {' '.join(args.argv)}`",
         f"- Commit: {results.get('commit')}; date: {results.get('date')}; hardware: {results.get('hardware')}",
         f"- Model: GPT {MODEL.num_layers} layers, hidden {MODEL.hidden_size}, FFN {MODEL.ffn_hidden_size}, seq "
-        f"{MODEL.seq_length}, byte-level vocabulary, bf16; MAPL boundary after layer {BOUNDARY_LAYER} (PP=2's); "
+        f"{MODEL.seq_length}, {_vocabulary_words(args.vocab_size)}, bf16; MAPL boundary after layer {BOUNDARY_LAYER} (PP=2's); "
         f"{args.steps} steps of 4 x 4 sequences, Adam lr {args.lr} with {args.warmup} warm-up steps and cosine "
         f"decay to {args.lr / 10:g}; Python stdlib text, validation on held-out files ({args.eval_iters} batches).",
         "- Seeds: seed s sets the initialisation (1234 + s) and the data order (1 + s); the same seeds on every "
@@ -235,6 +259,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=100)
     parser.add_argument("--eval-iters", type=int, default=20)
+    parser.add_argument(
+        "--vocab-size", type=int, default=256, help="256: bytes; more: a BPE vocabulary of this size (tokenizers)"
+    )
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time (processes on the one GPU)")
     parser.add_argument("--json", required=True, help="results so far (read to resume, rewritten after every run)")
     args = parser.parse_args(argv)
@@ -244,7 +271,11 @@ def main(argv: Optional[List[str]] = None) -> None:
             _parse(variant)
         except ValueError as exc:
             parser.error(f"--variants: {exc}")
+    if args.vocab_size < 256 or args.vocab_size > 65536:
+        parser.error(f"--vocab-size {args.vocab_size}: expected 256 (bytes) or a BPE size up to 65536")
     setup = {k: getattr(args, k) for k in ("steps", "lr", "warmup", "eval_iters")}
+    if args.vocab_size != 256:  # (files of byte-level runs keep their set-up)
+        setup["vocab_size"] = args.vocab_size
     results = {"runs": {}}
     if os.path.exists(args.json):
         with open(args.json) as f:
@@ -268,6 +299,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         with open(report_path, "w") as f:
             f.write("\n".join(report(args, results)) + "\n")
 
+    if args.vocab_size != 256:  # trained and tokenized once here, read from the cache by every run
+        for split in ("train", "valid"):
+            text_batches(split, dataclasses.replace(MODEL, vocab_size=args.vocab_size), 1, seed=0)
     todo = [
         (v, s) for s in range(args.seeds) for v in args.variants.split(";") if f"{v} | seed {s}" not in results["runs"]
     ]
@@ -275,7 +309,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         futures = {
             pool.submit(
-                run_distributed, _run, 1, v, s, args.steps, args.lr, args.warmup, args.eval_iters,
+                run_distributed, _run, 1, v, s, args.steps, args.lr, args.warmup, args.eval_iters, args.vocab_size,
                 backend="nccl" if on_gpu else "gloo", timeout=24 * 3600,
             ): (v, s)
             for v, s in todo

@@ -27,7 +27,7 @@ if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
   if command -v nvidia-smi >/dev/null 2>&1; then "${pip[@]}" install "torch>=2.6"
   else "${pip[@]}" install ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} torch==2.13.0; fi
 fi
-"${pip[@]}" install triton numpy pyyaml "packaging>=24.2" "pytest>=8" matplotlib ruff==0.17.6
+"${pip[@]}" install triton numpy pyyaml "packaging>=24.2" "pytest>=8" matplotlib ruff==0.17.6 tokenizers
 case "$mcore" in
   0.16.*) "${pip[@]}" install "megatron-core==$mcore" ;;
   *) "${pip[@]}" install --no-deps --ignore-requires-python "megatron-core==$mcore" ;;

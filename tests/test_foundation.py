@@ -120,14 +120,14 @@ def test_text_goes_through_a_megatron_core_indexed_dataset(tmp_path):
 
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from megatron_taco.training.data import build_byte_dataset, indexed_dataset_batches
+    from megatron_taco.training.data import build_token_dataset, indexed_dataset_batches
 
     files = []
     for i, text in enumerate(["def f():\n    return 1\n", "", "class A:\n    pass\n" * 20]):
         path = pathlib.Path(tmp_path) / f"f{i}.py"
         path.write_text(text)
         files.append(path)
-    prefix = build_byte_dataset(files, str(tmp_path / "ds"))
+    prefix = build_token_dataset(files, str(tmp_path / "ds"))
     dataset = IndexedDataset(prefix)
     assert len(dataset) == 2  # the empty file adds no document
     assert bytes(dataset[0].tolist()) == b"def f():\n    return 1\n"
@@ -136,3 +136,32 @@ def test_text_goes_through_a_megatron_core_indexed_dataset(tmp_path):
     text = b"".join(p.read_bytes() for p in files)
     for row in batch["tokens"]:
         assert bytes(row.tolist()) in text
+
+
+def test_a_bpe_vocabulary_trained_on_the_training_files_round_trips_their_text(tmp_path, monkeypatch):
+    import pathlib
+
+    from tokenizers import Tokenizer
+
+    from megatron_taco.training.data import bpe_text_batches, stdlib_text_files, train_bpe_vocabulary
+
+    monkeypatch.setenv("MEGATRON_TACO_CACHE", str(tmp_path / "cache"))
+    train_files = stdlib_text_files()[0][:40]
+    vocabulary = train_bpe_vocabulary(train_files, 600)
+    assert train_bpe_vocabulary(train_files, 600) == vocabulary  # cached: the same file, not retrained
+    tokenizer = Tokenizer.from_file(vocabulary)
+    assert tokenizer.get_vocab_size() == 600
+    held_out = pathlib.Path(tmp_path) / "held_out.py"
+    held_out.write_text("def held_out(x):\n    return [x ** 2 for _ in range(3)]  # \u00e9t\u00e9\n" * 30)
+    batch = next(bpe_text_batches([held_out], vocabulary, 24, 2, seed=1))
+    assert batch["tokens"].shape == (2, 24) and int(batch["tokens"].max()) < 600
+    assert torch.equal(batch["tokens"][:, 1:], batch["labels"][:, :-1])
+    text = held_out.read_text()
+    for row in batch["tokens"]:
+        # windows of the file's token stream decode to its text (a window may cut a 2-byte character)
+        assert tokenizer.decode(row.tolist()).strip("\ufffd") in text
+    ids = tokenizer.encode(text).ids
+    assert tokenizer.decode(ids) == text
+    assert len(ids) < 0.65 * len(text.encode())  # 344 merges learnt from Python code compress it (0.59 seen)
+    with pytest.raises(ValueError, match="257-65536"):
+        train_bpe_vocabulary(train_files, 256)

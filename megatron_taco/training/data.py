@@ -8,15 +8,17 @@ data loaders do.
 from __future__ import annotations
 
 import os
-from typing import Dict, Iterator
+from typing import Callable, Dict, Iterator
 
 import torch
 
 __all__ = [
     "synthetic_batches",
     "stdlib_text_files",
-    "build_byte_dataset",
+    "build_token_dataset",
     "byte_text_batches",
+    "train_bpe_vocabulary",
+    "bpe_text_batches",
     "indexed_dataset_batches",
 ]
 
@@ -75,11 +77,14 @@ def stdlib_text_files(validation_fraction: float = 0.05) -> "tuple[list, list]":
     return train, valid
 
 
-def build_byte_dataset(files: list, path_prefix: str) -> str:
-    """Tokenize text files byte-level (vocab 256) into a megatron-core indexed dataset (.bin/.idx).
+def _encode_bytes(data: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int32)
 
-    One document per file. Returns ``path_prefix``. Rebuilt only when the .idx file is missing.
-    """
+
+def build_token_dataset(files: list, path_prefix: str, encode: Callable[[bytes], torch.Tensor] = _encode_bytes) -> str:
+    """Tokenize text files with ``encode`` (default byte-level, vocab 256) into a megatron-core indexed
+    dataset (.bin/.idx), one document per file. Returns ``path_prefix``. Rebuilt only when the .idx file is
+    missing."""
     import numpy
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
@@ -90,7 +95,7 @@ def build_byte_dataset(files: list, path_prefix: str) -> str:
         for path in files:
             data = path.read_bytes()
             if data:
-                builder.add_item(torch.frombuffer(bytearray(data), dtype=torch.uint8).to(torch.int32))
+                builder.add_item(encode(data))
                 builder.end_document()
         builder.finalize(path_prefix + ".idx" + tmp)
         os.replace(path_prefix + ".bin" + tmp, path_prefix + ".bin")
@@ -98,15 +103,65 @@ def build_byte_dataset(files: list, path_prefix: str) -> str:
     return path_prefix
 
 
-def byte_text_batches(
-    files: list, seq_length: int, micro_batch_size: int, seed: int, data_parallel_rank: int = 0
-) -> Iterator[Dict[str, torch.Tensor]]:
-    """Batches of text files, byte-level, through an indexed dataset cached under ~/.cache/megatron_taco."""
+def _cache_path(files: list, name: str) -> str:
+    """A file under the cache folder (``MEGATRON_TACO_CACHE``, default ~/.cache/megatron_taco) whose name
+    holds ``name`` and a hash of the files' paths and sizes."""
     import hashlib
 
     key = hashlib.sha1("\n".join(f"{p}:{p.stat().st_size}" for p in files).encode()).hexdigest()[:16]
     cache = os.environ.get("MEGATRON_TACO_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "megatron_taco"))
-    prefix = build_byte_dataset(files, os.path.join(cache, f"bytes-{key}"))
+    return os.path.join(cache, f"{name}-{key}")
+
+
+def byte_text_batches(
+    files: list, seq_length: int, micro_batch_size: int, seed: int, data_parallel_rank: int = 0
+) -> Iterator[Dict[str, torch.Tensor]]:
+    """Batches of text files, byte-level, through an indexed dataset cached under ~/.cache/megatron_taco."""
+    prefix = build_token_dataset(files, _cache_path(files, "bytes"))
+    return indexed_dataset_batches(prefix, seq_length, micro_batch_size, seed, data_parallel_rank)
+
+
+def train_bpe_vocabulary(train_files: list, vocab_size: int) -> str:
+    """A byte-level BPE vocabulary of ``vocab_size`` tokens trained on ``train_files`` with the ``tokenizers``
+    package (the path of its JSON file, cached): an LLM-style vocabulary for studies whose method depends on
+    it (MAPL's token anchors), next to the 256 bytes."""
+    try:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    except ImportError as exc:
+        raise RuntimeError(f"a BPE vocabulary needs the tokenizers package (pip install tokenizers): {exc}") from None
+    if not 256 < vocab_size <= 65536:
+        raise ValueError(f"BPE vocabulary of {vocab_size} tokens: expected 257-65536 (uint16 token ids)")
+    path = _cache_path(train_files, f"bpe{vocab_size}") + ".json"
+    if not os.path.exists(path):
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tokenizer = Tokenizer(models.BPE())
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tokenizer.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
+        )
+        texts = (p.read_bytes().decode("utf-8", errors="replace") for p in train_files)
+        tokenizer.train_from_iterator(texts, trainer, length=len(train_files))
+        tmp = f"{path}.tmp{os.getpid()}"
+        tokenizer.save(tmp)
+        os.replace(tmp, path)
+    return path
+
+
+def bpe_text_batches(
+    files: list, vocabulary: str, seq_length: int, micro_batch_size: int, seed: int, data_parallel_rank: int = 0
+) -> Iterator[Dict[str, torch.Tensor]]:
+    """Batches of text files tokenized with the BPE ``vocabulary`` (from :func:`train_bpe_vocabulary`), through
+    an indexed dataset cached beside it."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(vocabulary)
+
+    def encode(data: bytes) -> torch.Tensor:
+        return torch.tensor(tokenizer.encode(data.decode("utf-8", errors="replace")).ids, dtype=torch.int32)
+
+    name = "tokens-" + os.path.basename(vocabulary).removesuffix(".json")
+    prefix = build_token_dataset(files, _cache_path(files, name), encode)
     return indexed_dataset_batches(prefix, seq_length, micro_batch_size, seed, data_parallel_rank)
 
 
