@@ -8,10 +8,9 @@ swaps its 256 bytes for a BPE vocabulary trained on the training split with ``to
 PP=1; after layer 4 (where PP=2 puts its boundary) the hidden states go through MAPL's own
 ``BoundaryCodec`` and back: h -> z = (h - a(t)) U (bf16, the wire) -> z U^T + a(t). One codec serves both
 ends, so autograd sums the two ends' gradients of U and of the anchors, which is what PP=2 does across its
-pair of replicas (``MaplSync.finalize_grads``); U takes the same manifold step (``StiefelMomentumSGD``) with
-the learning-rate schedule's factor. With gradient clipping off, a PP=2 run and this one give the same
-losses to 5e-8 relative (``tests/test_mapl_loopback.py``, fp32 on CPU). Where they differ: the anchors count
-once in the gradient-norm clip (PP=2 has a replica on each stage), and there is no VQ here.
+pair of replicas (``MaplSync.finalize_grads``); U takes the same manifold step, clipped with the other
+gradients (``step_projections_with``, which PP=2's ``MaplSync.follow_steps`` uses). A PP=2 run and this one
+give the same losses to 5e-8 relative (``tests/test_mapl_loopback.py``, fp32 on CPU); there is no VQ here.
 
 Variants: ``none`` (stock), ``R x`` (MAPL at ratio R, the shipped defaults: anchor rank 64, position
 anchors, anchors from the embedding), ``+subspace`` (the lead of the MAPL issue: every layer before the
@@ -37,6 +36,7 @@ import torch
 from megatron_taco.config.mapl import MaplConfig
 from megatron_taco.mapl.anchor_init import start_anchors_from_embedding
 from megatron_taco.mapl.boundary import BoundaryCodec
+from megatron_taco.mapl.stage import step_projections_with
 from megatron_taco.mapl.stiefel import StiefelMomentumSGD
 from megatron_taco.testing.distributed import run_distributed
 from megatron_taco.training.model import ModelShape
@@ -172,12 +172,12 @@ def train_loopback(cfg, variant: str, steps: int, data_seed: int, eval_iters: in
         trainer = Trainer(cfg)
     finally:
         loop.build_gpt_model = build
-    codec = state["boundary"].codec if state else None
-    manifold = (
-        StiefelMomentumSGD([codec.projection], lr=defaults.lr, momentum=defaults.momentum,
-                           buffers=[codec.projection_momentum])
-        if codec is not None else None
-    )  # fmt: skip
+    if state:  # U clipped and stepped with the optimizer, as MaplSync.follow_steps does in PP=2
+        codec = state["boundary"].codec
+        manifold = StiefelMomentumSGD(
+            [codec.projection], lr=defaults.lr, momentum=defaults.momentum, buffers=[codec.projection_momentum]
+        )
+        step_projections_with(trainer.optimizer, manifold, [codec], cfg.lr)
     parameters = sum(p.numel() for p in trainer.model.parameters())
     mbs = cfg.micro_batch_size
     data = text_batches("train", shape, mbs, seed=data_seed)
@@ -185,11 +185,7 @@ def train_loopback(cfg, variant: str, steps: int, data_seed: int, eval_iters: in
     for step in range(1, steps + 1):
         if step % 250 == 0:
             print(f"  {label}: step {step}/{steps}, train loss {losses[-1]:.4f}", flush=True)
-        lr_now = trainer.lr  # this step's learning rate (the schedule moves on inside train_step)
         losses.append(trainer.train_step(data)["loss"])
-        if manifold is not None:  # U follows the learning-rate schedule, as in the trainer
-            manifold.step([codec.projection.grad], lr_scale=lr_now / cfg.lr)
-            codec.projection.grad = None
     valid = trainer.evaluate(text_batches("valid", shape, mbs, seed=2), eval_iters)
     trainer.close()
     return dict(train=losses, valid=valid, parameters=parameters)

@@ -106,6 +106,45 @@ def test_replicas_stay_bit_identical_and_u_stays_on_the_manifold_over_200_steps(
     assert sum(losses[-10:]) / 10 < 0.7 * sum(losses[:10]) / 10
 
 
+def _norm_after_clipping(clip: float) -> dict:
+    """One PP=2 step with --clip-grad ``clip``: the norm of everything the step applied, each trained quantity
+    counted once (the receiving stage's anchors are replicas of the sender's, U counts on its sending stage)."""
+    import torch.distributed as dist
+
+    trainer = Trainer(TrainConfig(TINY_GPT, pipeline_parallel=2, lr=3e-3, clip_grad=clip, mapl=MaplConfig(ratio=4)))
+    sync = trainer.mapl_sync
+    applied = []
+    manifold_step = sync.optimizer.step
+
+    def recording(grads, lr_scale=1.0):
+        applied.extend(g.detach().double().clone() for g in grads)
+        return manifold_step(grads, lr_scale=lr_scale)
+
+    sync.optimizer.step = recording
+    result = trainer.train_step(synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, 2, seed=1))
+    squares = torch.zeros((), dtype=torch.float64)
+    for model in trainer.models:  # the parameters' clipped gradients (fp32 training: main_grad, clipped in place)
+        for name, param in model.named_parameters():
+            if "mapl_recv_" not in name:
+                squares += param.main_grad.double().square().sum()
+    sending = [stage.send.boundary for stage in trainer._mapl_stages if stage.send is not None]
+    for boundary, grad in zip(sync.trainable, applied):
+        if boundary.boundary in sending:
+            squares += grad.square().sum()
+    dist.all_reduce(squares)
+    trainer.close()
+    return dict(norm=float(squares.sqrt()), grad_norm=result["grad_norm"], u_steps=len(applied))
+
+
+@pytest.mark.parametrize("clip", [1e-3, 3e-2])
+def test_clip_grad_clips_u_and_the_anchors_once_with_every_other_gradient(clip):
+    """After clipping, the gradient of everything trained (parameters, anchors once, U) has norm clip_grad:
+    U's gradient is in the clipped norm and takes the same coefficient, the anchors' replicas count once."""
+    for rank in run_distributed(_norm_after_clipping, 2, clip, timeout=120):
+        assert rank["u_steps"] == 1 and rank["grad_norm"] > 3 * clip  # clipping was active
+        assert rank["norm"] == pytest.approx(clip * rank["grad_norm"] / (rank["grad_norm"] + 1e-6), rel=1e-5)
+
+
 def _anchors_at_the_start(tp: int, pp: int, mapl: MaplConfig) -> dict:
     """Every boundary's anchor projection (E + P) B on this rank, and on the first stage the whole embedding."""
     import torch.distributed as dist

@@ -9,8 +9,9 @@ places in Megatron-LM where each of its steps belongs:
   ``mtp_on_this_rank`` path), and ``is_first_or_last_pipeline_stage`` answers yes on middle stages (PP > 2,
   interleaved chunks), so they read the batch and build the dataset too;
 - the optimizer: when Megatron-LM builds it (``get_megatron_optimizer``) every chunk exists: :func:`start_mapl`
-  runs first (anchors from the embedding, pair groups, settings check), and every ``optimizer.step()`` is
-  followed by U's manifold step (skipped with the step) and the VQ codebook step;
+  runs first (anchors from the embedding, pair groups, settings check); U's gradient joins the norm that
+  ``--clip-grad`` clips, and every ``optimizer.step()`` is followed by U's manifold step (clipped alike, skipped
+  with the step) and the VQ codebook step (``MaplSync.follow_steps``);
 - gradients: ``finalize_model_grads`` is followed by MAPL's sums over TP, DP and the boundary pair;
 - the schedule: the function ``get_forward_backward_func`` returns is called with :func:`schedule_inputs`
   (r-wide P2P buffers; with VQ the index wire);
@@ -128,27 +129,6 @@ def _patch_batch() -> None:
     _replace_everywhere(first_or_last, is_first_or_last_pipeline_stage)
 
 
-def _follow_steps(optimizer: Any, sync: Any, base_lr: float) -> None:
-    """After every ``optimizer.step()``: U's manifold step (skipped with the step) and the codebook step."""
-    step = optimizer.step
-
-    @functools.wraps(step)
-    def step_with_mapl(*args, **kwargs):
-        loss_scale = optimizer.get_loss_scale().clone()  # U's gradient carries this backward's loss scale
-        # the schedule's factor now: a group's lr over its own peak (decoupled or scaled groups have other peaks)
-        group = optimizer.param_groups[0]
-        lr_scale = group["lr"] / group.get("max_lr", base_lr)
-        updated, grad_norm, zeros = step(*args, **kwargs)
-        if updated:
-            sync.manifold_step(lr_scale=lr_scale, loss_scale=loss_scale)
-        else:
-            sync.drop_grads()
-        sync.codebook_step()
-        return updated, grad_norm, zeros
-
-    optimizer.step = step_with_mapl
-
-
 def _patch_training() -> None:
     from megatron.training import training as mlm_training
 
@@ -165,7 +145,7 @@ def _patch_training() -> None:
         if _STATE["sync"] is not None:
             from megatron.training import get_args
 
-            _follow_steps(optimizer, _STATE["sync"], get_args().lr)
+            _STATE["sync"].follow_steps(optimizer, get_args().lr)
         return optimizer
 
     finalize = mlm_training.finalize_model_grads

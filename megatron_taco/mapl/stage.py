@@ -27,7 +27,9 @@ for 4 x 2048 tokens on an H200, cheaper than sending them on any link
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Optional, Tuple, Type, Union
+import functools
+import math
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
 import torch
 import torch.distributed as dist
@@ -42,7 +44,16 @@ from megatron_taco.mapl.telemetry import MAPL_TELEMETRY, SHAPE_MESSAGE_BYTES
 from megatron_taco.mapl.vq import ResidualVQ, packed_width
 from megatron_taco.mapl.wire import IndexWireCommunicator
 
-__all__ = ["CODEC_RANGE", "MaplStage", "ScheduleView", "MaplSync", "attach_mapl", "start_mapl", "schedule_inputs"]
+__all__ = [
+    "CODEC_RANGE",
+    "MaplStage",
+    "ScheduleView",
+    "MaplSync",
+    "attach_mapl",
+    "start_mapl",
+    "schedule_inputs",
+    "step_projections_with",
+]
 
 # Profiler range around MAPL's own work (projection, anchors, VQ, replica synchronisation): a profile
 # attributes the kernels launched inside it, and by the backward of ops recorded inside it, to the codec.
@@ -71,6 +82,10 @@ class MaplStage:
         for side, codec in (("recv", recv), ("send", send)):
             if codec is not None:
                 model.add_module(f"mapl_{side}_{codec.boundary}", codec)
+        if recv is not None:  # a replica of the sender's anchors (summed over the pair): Megatron's gradient norm
+            for param in recv.parameters():  # counts a shared parameter once, as the tied output embedding
+                if getattr(param, "mapl_anchor", False):
+                    param.shared = True
         self._model_forward = model.forward
         self._model_set_input_tensor = model.set_input_tensor
         model.forward = self.forward
@@ -287,17 +302,15 @@ class MaplSync:
                     dist.all_reduce(grad, group=pair)
                     MAPL_TELEMETRY.record_sync(boundary.boundary, grad)
 
-    @torch.profiler.record_function(CODEC_RANGE)
-    def manifold_step(self, lr_scale: float = 1.0, loss_scale: Union[float, torch.Tensor] = 1.0) -> None:
-        """Update every U: manifold lr times ``lr_scale`` (the schedule), gradients divided by ``loss_scale``."""
-        if self.optimizer is not None:
-            self.optimizer.step([b.projection.grad / loss_scale for b in self.trainable], lr_scale=lr_scale)
-        self.drop_grads()
+    def follow_steps(self, optimizer: Any, base_lr: float) -> None:
+        """Tie MAPL to megatron-core's ``optimizer``: U clipped and stepped with it (:func:`step_projections_with`),
+        then the codebook step after every step (its rows in ``codebook_rows``)."""
+        self.codebook_rows = 0
 
-    def drop_grads(self) -> None:
-        """Forget this step's U gradients (after the update, or when the step is skipped)."""
-        for b in self.trainable:
-            b.projection.grad = None
+        def codebooks(updated: bool) -> None:
+            self.codebook_rows = self.codebook_step()
+
+        step_projections_with(optimizer, self.optimizer, self.trainable, base_lr, after_step=codebooks)
 
     @torch.profiler.record_function(CODEC_RANGE)
     def codebook_step(self) -> int:
@@ -319,6 +332,76 @@ class MaplSync:
             rows += boundary.vq.sync(self.groups[boundary.boundary], sender, target)
             MAPL_TELEMETRY.record_sync(boundary.boundary, nbytes=boundary.vq.sync_bytes)
         return rows
+
+
+def step_projections_with(
+    optimizer: Any,
+    manifold: Optional[StiefelMomentumSGD],
+    boundaries: List[BoundaryCodec],
+    base_lr: float,
+    after_step: Optional[Callable[[bool], None]] = None,
+) -> None:
+    """Put the boundaries' U under megatron-core's ``optimizer`` (as ``get_megatron_optimizer`` builds it):
+    U's gradient counts in the gradient norm that ``clip_grad`` clips (once per boundary), and every
+    ``optimizer.step()`` is followed by U's manifold step with the same clip coefficient, the schedule's
+    learning-rate factor and this backward's loss scale (skipped with the step); then ``after_step(updated)``."""
+    state: Dict[str, Any] = {"loss_scale": 1.0}
+    if boundaries:
+        _count_projections_in_grad_norm(optimizer, boundaries, state)
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def step_with_projections(*args, **kwargs):
+        state["loss_scale"] = optimizer.get_loss_scale().clone()  # U's gradient carries this backward's scale
+        # the schedule's factor now: a group's lr over its own peak (decoupled or scaled groups have other peaks)
+        group = optimizer.param_groups[0]
+        lr_scale = group["lr"] / group.get("max_lr", base_lr)
+        updated, grad_norm, zeros = step(*args, **kwargs)
+        if updated and boundaries:
+            clip = optimizer.config.clip_grad
+            # megatron-core's clip_grad_by_total_norm_fp32, applied to U
+            coeff = min(1.0, clip / (float(grad_norm) + 1.0e-6)) if clip > 0.0 and grad_norm is not None else 1.0
+            with torch.profiler.record_function(CODEC_RANGE):
+                grads = [b.projection.grad * (coeff / state["loss_scale"]) for b in boundaries]
+                manifold.step(grads, lr_scale=lr_scale)
+        for b in boundaries:  # used, or dropped with a skipped step
+            b.projection.grad = None
+        if after_step is not None:
+            after_step(updated)
+        return updated, grad_norm, zeros
+
+    optimizer.step = step_with_projections
+
+
+def _count_projections_in_grad_norm(optimizer: Any, boundaries: List[BoundaryCodec], state: Dict[str, Any]) -> None:
+    """Add U's gradients (divided by ``state["loss_scale"]``) to the list megatron-core takes its gradient norm of
+    (0.16: ``get_main_grads_for_grad_norm``, 0.19: ``get_grads_for_grad_norm``; one sub-optimizer's: the norm
+    is over all of them). A boundary's U has one replica per stage of its pair, TP rank and, in a distributed
+    optimizer's group, DP rank: with c replicas in the norm's group, each adds its gradient / sqrt(c), so the
+    squares sum to the gradient's once."""
+    target = next(o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if o.get_parameters())
+    name = "get_grads_for_grad_norm" if hasattr(target, "get_grads_for_grad_norm") else "get_main_grads_for_grad_norm"
+    grads_for_norm = getattr(target, name)
+    group = target.get_grad_stats_parallel_group()
+    device = boundaries[0].projection.device
+    count = torch.tensor([max(b.boundary for b in boundaries) + 1], device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=group)
+    replicas = torch.zeros(int(count), device=device)
+    for b in boundaries:
+        replicas[b.boundary] += 1
+    dist.all_reduce(replicas, group=group)
+    weights = [1.0 / math.sqrt(float(replicas[b.boundary])) for b in boundaries]
+
+    @functools.wraps(grads_for_norm)
+    def with_projections(*args, **kwargs):
+        grads = grads_for_norm(*args, **kwargs)
+        if args or kwargs.get("grad_norm_group") is not None:  # 0.19's separate groups: U is in the main norm
+            return grads
+        extra = [b.projection.grad * (w / state["loss_scale"]) for b, w in zip(boundaries, weights)
+                 if b.projection.grad is not None]  # fmt: skip
+        return list(grads) + extra
+
+    setattr(target, name, with_projections)
 
 
 def attach_mapl(

@@ -245,6 +245,8 @@ class Trainer:
             ),
             self.models,
         )
+        if self.mapl_sync is not None:
+            self.mapl_sync.follow_steps(self.optimizer, cfg.lr)
         self.scheduler = OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0,
@@ -303,17 +305,7 @@ class Trainer:
         if self.mapl_sync is not None:
             self.mapl_sync.finalize_grads()
         lr = self.lr
-        # U's gradient carries fp16's loss scale (U is not a Megatron parameter); keep the scale of this
-        # backward (a device copy: no host sync) before the optimizer step updates it
-        loss_scale = self.optimizer.get_loss_scale().clone() if self.mapl_sync is not None else 1.0
-        updated, grad_norm, _ = self.optimizer.step()
-        codebook_rows = 0
-        if self.mapl_sync is not None:
-            if updated:
-                self.mapl_sync.manifold_step(lr_scale=lr / self.cfg.lr, loss_scale=loss_scale)
-            else:  # fp16 overflow: the step is skipped for U as for every other parameter
-                self.mapl_sync.drop_grads()
-            codebook_rows = self.mapl_sync.codebook_step()
+        updated, grad_norm, _ = self.optimizer.step()  # with MAPL: then U's step and the codebooks' (follow_steps)
         if updated:
             self.scheduler.step(1)  # like Megatron-LM: the schedule advances on applied steps only
         self.step_count += 1
@@ -322,7 +314,7 @@ class Trainer:
             "lr": lr,
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "skipped": not updated,
-            "codebook_rows": codebook_rows,
+            "codebook_rows": self.mapl_sync.codebook_rows if self.mapl_sync is not None else 0,
         }
 
     @property
