@@ -13,11 +13,18 @@ gradients (``step_projections_with``, which PP=2's ``MaplSync.follow_steps`` use
 give the same losses to 5e-8 relative (``tests/test_mapl_loopback.py``, fp32 on CPU); there is no VQ here.
 
 Variants: ``none`` (stock), ``R x`` (MAPL at ratio R, the shipped defaults: anchor rank 64, position
-anchors, anchors from the embedding), ``+subspace`` (the lead of the MAPL issue: every layer before the
+anchors, anchors from the embedding), ``tables`` (the equal-parameter baseline: the uncompressed model given
+the same anchor tables, h + a(t, p) at the boundary, the tables starting at zero as in
+``mapl_variants.AnchorsWithoutCompression``), ``+subspace`` (the lead of the MAPL issue: every layer before the
 boundary writes its update through U, and the embedding enters as a(t) plus its part in U's span, so h - a(t)
 stays in span(U) and the boundary drops nothing; the layers before it work in an r-dimensional stream
 beside the anchors). Results are resumable (``--json``); the report gives each variant's mean validation
-loss and the paired 95% interval of its difference to ``none`` over the seeds.
+loss and the paired 95% interval of its difference to the first variant over the seeds.
+
+``--pipeline-parallel 2`` trains ``none`` and ``R x`` as real PP=2 runs instead (two ranks each: megatron-core's
+schedule, MAPL's r-wide P2P, ``MaplSync``), the same model, data, seeds and report: the headline form of the
+MAPL issue on 2 GPUs, e.g. ``--pipeline-parallel 2 --variants 'none;8x;16x' --seeds 5 --steps 1500
+--vocab-size 8192 --parallel 5``.
 """
 
 from __future__ import annotations
@@ -52,14 +59,15 @@ class LoopbackBoundary(torch.nn.Module):
     """A MAPL boundary after decoder layer ``layer`` of a PP=1 GPTModel (a submodule of it, so Megatron's
     optimizer trains the anchors like any parameter); ``subspace``: the layers before it write through U."""
 
-    def __init__(self, model: torch.nn.Module, codec: BoundaryCodec, layer: int, subspace: bool) -> None:
+    def __init__(self, model: torch.nn.Module, codec: BoundaryCodec, layer: int, mode: str) -> None:
         super().__init__()
         self.codec = codec
+        self.mode = mode
         self._ids = None
         model.add_module("mapl_loopback", self)
         model.register_forward_pre_hook(self._remember_ids)
         model.decoder.layers[layer - 1].register_forward_hook(self._through_boundary)
-        if subspace:
+        if mode == "subspace":
             model.embedding.register_forward_hook(self._embedding_into_span)
             for index in range(layer):
                 model.decoder.layers[index].register_forward_hook(self._update_through_span, with_kwargs=True)
@@ -85,19 +93,31 @@ class LoopbackBoundary(torch.nn.Module):
     def _through_boundary(self, module, args, output):
         hidden = output[0] if isinstance(output, tuple) else output
         tokens, positions = self._ids
-        wire = self.codec.project(hidden, tokens, positions)  # in the hidden states' dtype, like the P2P message
-        hidden = self.codec.reconstruct(wire, tokens, hidden.dtype, positions)
+        if self.mode == "tables":  # nothing dropped: h + a(t, p) (``mapl_variants.AnchorsWithoutCompression``)
+            hidden = (hidden.float() + self.codec._anchors(tokens, positions, None)).to(hidden.dtype)
+        else:
+            wire = self.codec.project(hidden, tokens, positions)  # in the hidden states' dtype, like the P2P message
+            hidden = self.codec.reconstruct(wire, tokens, hidden.dtype, positions)
         return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
 
-def _parse(variant: str):
-    """'none' -> None; 'Rx[+subspace]' -> (ratio, subspace)."""
-    if variant == "none":
-        return None
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """A row of the study: ``mode`` "none" (stock), "compress" (MAPL at ``ratio``), "subspace" (MAPL with the
+    layers before the boundary writing through U) or "tables" (uncompressed, MAPL's anchor tables added)."""
+
+    mode: str
+    ratio: float = 1.0
+
+
+def _parse(variant: str) -> Variant:
+    """'none', 'tables', 'Rx' or 'Rx+subspace'."""
+    if variant in ("none", "tables"):
+        return Variant(variant)
     ratio, _, extra = variant.partition("+")
     if not ratio.endswith("x") or extra not in ("", "subspace"):
-        raise ValueError(f"variant {variant!r}: expected none, Rx or Rx+subspace")
-    return float(ratio[:-1]), extra == "subspace"
+        raise ValueError(f"variant {variant!r}: expected none, tables, Rx or Rx+subspace")
+    return Variant("subspace" if extra else "compress", float(ratio[:-1]))
 
 
 def train_config(shape: ModelShape, seed: int, steps: int, lr: float, warmup: int, micro_batch_size: int = 4,
@@ -138,14 +158,12 @@ def text_batches(split: str, shape: ModelShape, micro_batch_size: int, seed: int
     return bpe_text_batches(files, vocabulary, shape.seq_length, micro_batch_size, seed=seed)
 
 
-def train_loopback(cfg, variant: str, steps: int, data_seed: int, eval_iters: int, label: str = "") -> dict:
-    """Train ``cfg`` (PP=1) with ``variant``'s boundary after half the layers: training losses, final
-    validation loss, parameter count."""
+def _loopback_trainer(cfg, variant: Variant):
+    """A PP=1 Trainer of ``cfg`` with ``variant``'s boundary after half the layers."""
     from megatron_taco.training import loop
     from megatron_taco.training.loop import Trainer
 
-    parsed = _parse(variant)
-    defaults = MaplConfig(ratio=parsed[0]) if parsed else None
+    defaults = MaplConfig(ratio=variant.ratio) if variant.mode != "none" else None
     shape = cfg.shape
     state = {}
     build = loop.build_gpt_model
@@ -164,7 +182,12 @@ def train_loopback(cfg, variant: str, steps: int, data_seed: int, eval_iters: in
                 positions=model.max_sequence_length if defaults.anchors_positions(shape.position_embedding) else 0,
             ).to(loop._device())
             start_anchors_from_embedding([model], [codec])
-            state["boundary"] = LoopbackBoundary(model, codec, shape.num_layers // 2, subspace=parsed[1])
+            if variant.mode == "tables":  # h already holds the embedding: the tables start at zero, a = 0
+                with torch.no_grad():
+                    codec.anchor_embedding.zero_()
+                    if codec.positions:
+                        codec.anchor_position.zero_()
+            state["boundary"] = LoopbackBoundary(model, codec, shape.num_layers // 2, variant.mode)
         return model
 
     loop.build_gpt_model = build_with_boundary
@@ -172,31 +195,65 @@ def train_loopback(cfg, variant: str, steps: int, data_seed: int, eval_iters: in
         trainer = Trainer(cfg)
     finally:
         loop.build_gpt_model = build
-    if state:  # U clipped and stepped with the optimizer, as MaplSync.follow_steps does in PP=2
+    if state and variant.mode != "tables":  # U clipped and stepped with the optimizer, as in PP=2 (follow_steps)
         codec = state["boundary"].codec
         manifold = StiefelMomentumSGD(
             [codec.projection], lr=defaults.lr, momentum=defaults.momentum, buffers=[codec.projection_momentum]
         )
         step_projections_with(trainer.optimizer, manifold, [codec], cfg.lr)
-    parameters = sum(p.numel() for p in trainer.model.parameters())
+    return trainer
+
+
+def _parameters(trainer) -> int:
+    """Distinct trained parameters of the whole model: a replica (``shared``: the tied output embedding on the
+    last stage, the receiving stage's anchors) counts once."""
+    import torch.distributed as dist
+
+    from megatron_taco.training import loop
+
+    count = sum(p.numel() for m in trainer.models for p in m.parameters() if not getattr(p, "shared", False))
+    total = torch.tensor([count], dtype=torch.int64, device=loop._device())
+    dist.all_reduce(total)
+    return int(total)
+
+
+def train_loopback(
+    cfg, variant: str, steps: int, data_seed: int, eval_iters: int, label: str = "", pipeline_parallel: int = 1
+) -> dict:
+    """Train ``cfg`` with ``variant``: at PP=1 its boundary after half the layers (the loopback), at
+    ``pipeline_parallel`` 2 the real PP=2 run with MAPL at the boundary (two ranks). Returns the training
+    losses, the final validation loss and the parameter count."""
+    from megatron_taco.training.loop import Trainer
+
+    parsed = _parse(variant)
+    shape = cfg.shape
+    if pipeline_parallel == 1:
+        trainer = _loopback_trainer(cfg, parsed)
+    else:
+        mapl = MaplConfig(ratio=parsed.ratio) if parsed.mode == "compress" else None
+        trainer = Trainer(dataclasses.replace(cfg, pipeline_parallel=pipeline_parallel, mapl=mapl))
+    parameters = _parameters(trainer)
     mbs = cfg.micro_batch_size
     data = text_batches("train", shape, mbs, seed=data_seed)
-    losses = []
+    losses, grad_norms = [], []
     for step in range(1, steps + 1):
-        if step % 250 == 0:
+        if step % 250 == 0 and torch.distributed.get_rank() == 0:
             print(f"  {label}: step {step}/{steps}, train loss {losses[-1]:.4f}", flush=True)
-        losses.append(trainer.train_step(data)["loss"])
+        result = trainer.train_step(data)
+        losses.append(result["loss"])
+        grad_norms.append(result["grad_norm"])
     valid = trainer.evaluate(text_batches("valid", shape, mbs, seed=2), eval_iters)
     trainer.close()
-    return dict(train=losses, valid=valid, parameters=parameters)
+    return dict(train=losses, valid=valid, parameters=parameters, grad_norms=grad_norms)
 
 
-def _run(variant: str, seed: int, steps: int, lr: float, warmup: int, eval_iters: int, vocab_size: int) -> dict:
-    """One run of the study on this process."""
+def _run(
+    variant: str, seed: int, steps: int, lr: float, warmup: int, eval_iters: int, vocab_size: int, pp: int
+) -> dict:
+    """One run of the study on this rank."""
     cfg = train_config(dataclasses.replace(MODEL, vocab_size=vocab_size), seed, steps, lr, warmup)
-    return train_loopback(
-        cfg, variant, steps, data_seed=1 + seed, eval_iters=eval_iters, label=f"{variant} | seed {seed}"
-    )
+    label = f"{variant} | seed {seed}"
+    return train_loopback(cfg, variant, steps, 1 + seed, eval_iters, label=label, pipeline_parallel=pp)
 
 
 def _vocabulary_words(vocab_size: int) -> str:
@@ -210,7 +267,9 @@ def report(args, results: dict) -> List[str]:
     variants = args.variants.split(";")
     base = variants[0]
     lines = [
-        "# MAPL boundary quality in one process (PP=1 loopback, one GPU)",
+        "# MAPL boundary quality in one process (PP=1 loopback, one GPU)"
+        if args.pipeline_parallel == 1
+        else "# MAPL boundary quality at PP=2 (two ranks per run)",
         "",
         f"- Command: `python -m benchmarks.mapl_loopback {' '.join(args.argv)}`",
         f"- Commit: {results.get('commit')}; date: {results.get('date')}; hardware: {results.get('hardware')}",
@@ -220,7 +279,9 @@ def report(args, results: dict) -> List[str]:
         f"decay to {args.lr / 10:g}; Python stdlib text, validation on held-out files ({args.eval_iters} batches).",
         "- Seeds: seed s sets the initialisation (1234 + s) and the data order (1 + s); the same seeds on every "
         "variant, so differences are paired.",
-        "- An exploration tool: the headline rows of the MAPL issue need PP=2 on GPUs.",
+        "- An exploration tool: the headline rows of the MAPL issue need PP=2 on GPUs."
+        if args.pipeline_parallel == 1
+        else "- Real PP=2: megatron-core's pipeline schedule, MAPL's r-wide P2P and MaplSync across the pair.",
         "",
         f"| variant | parameters | seeds | validation loss, mean (sd) | vs {base}: mean difference | 95% interval |",
         "|---|---|---|---|---|---|",
@@ -258,20 +319,31 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument(
         "--vocab-size", type=int, default=256, help="256: bytes; more: a BPE vocabulary of this size (tokenizers)"
     )
+    parser.add_argument(
+        "--pipeline-parallel",
+        type=int,
+        default=1,
+        choices=(1, 2),
+        help="1: the loopback (one process per run); 2: real PP=2 runs (two ranks each: 2 GPUs, or gloo on CPU)",
+    )
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time (processes on the one GPU)")
     parser.add_argument("--json", required=True, help="results so far (read to resume, rewritten after every run)")
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else __import__("sys").argv[1:]
     for variant in args.variants.split(";"):
         try:
-            _parse(variant)
+            mode = _parse(variant).mode
         except ValueError as exc:
             parser.error(f"--variants: {exc}")
+        if args.pipeline_parallel == 2 and mode not in ("none", "compress"):
+            parser.error(f"--variants: {variant!r} is a loopback variant; at --pipeline-parallel 2 use none or Rx")
     if args.vocab_size < 256 or args.vocab_size > 65536:
         parser.error(f"--vocab-size {args.vocab_size}: expected 256 (bytes) or a BPE size up to 65536")
     setup = {k: getattr(args, k) for k in ("steps", "lr", "warmup", "eval_iters")}
-    if args.vocab_size != 256:  # (files of byte-level runs keep their set-up)
+    if args.vocab_size != 256:  # (files of byte-level loopback runs keep their set-up)
         setup["vocab_size"] = args.vocab_size
+    if args.pipeline_parallel != 1:
+        setup["pipeline_parallel"] = args.pipeline_parallel
     results = {"runs": {}}
     if os.path.exists(args.json):
         with open(args.json) as f:
@@ -305,7 +377,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         futures = {
             pool.submit(
-                run_distributed, _run, 1, v, s, args.steps, args.lr, args.warmup, args.eval_iters, args.vocab_size,
+                run_distributed, _run, args.pipeline_parallel, v, s, args.steps, args.lr, args.warmup,
+                args.eval_iters, args.vocab_size, args.pipeline_parallel,
                 backend="nccl" if on_gpu else "gloo", timeout=24 * 3600,
             ): (v, s)
             for v, s in todo

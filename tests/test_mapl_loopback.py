@@ -5,11 +5,8 @@ other parameters in one norm on both sides)."""
 
 from __future__ import annotations
 
-import dataclasses
-
 from benchmarks.loss_compare import MODELS
 from benchmarks.mapl_loopback import train_config, train_loopback
-from megatron_taco.config.mapl import MaplConfig
 from megatron_taco.testing.distributed import run_distributed
 
 SHAPE = MODELS["gpt-tiny"]  # 4 layers, hidden 64, learned positions (position anchors on)
@@ -23,22 +20,9 @@ def _config():
     )
 
 
-def _pipeline_run(ratio: float) -> dict:
-    from megatron_taco.training.data import byte_text_batches, stdlib_text_files
-    from megatron_taco.training.loop import Trainer
-
-    cfg = dataclasses.replace(_config(), pipeline_parallel=2, mapl=MaplConfig(ratio=ratio))
-    trainer = Trainer(cfg)
-    train_files, valid_files = stdlib_text_files()
-    data = byte_text_batches(train_files, SHAPE.seq_length, 2, seed=DATA_SEED)
-    steps = [trainer.train_step(data) for _ in range(STEPS)]
-    valid = trainer.evaluate(byte_text_batches(valid_files, SHAPE.seq_length, 2, seed=2), EVAL_ITERS)
-    trainer.close()
-    return dict(train=[s["loss"] for s in steps], valid=valid, grad_norms=[s["grad_norm"] for s in steps])
-
-
 def test_loopback_trains_like_pp2():
-    pipeline = run_distributed(_pipeline_run, 2, 8.0, timeout=600)[0]
+    pipeline = run_distributed(train_loopback, 2, _config(), "8x", STEPS, DATA_SEED, EVAL_ITERS, "", 2, timeout=600)
+    pipeline = pipeline[0]
     loopback = run_distributed(train_loopback, 1, _config(), "8x", STEPS, DATA_SEED, EVAL_ITERS, timeout=600)[0]
     uncompressed = run_distributed(train_loopback, 1, _config(), "none", STEPS, DATA_SEED, EVAL_ITERS, timeout=600)[0]
     assert min(pipeline["grad_norms"]) > 0.05, pipeline["grad_norms"]  # clipping was active on every step
@@ -46,3 +30,16 @@ def test_loopback_trains_like_pp2():
         assert abs(a - b) <= 2e-7 * abs(a), (pipeline, loopback)  # fp32; <= 4.9e-8 observed
     # and the boundary is there: the uncompressed model trains differently
     assert abs(uncompressed["valid"] - loopback["valid"]) > 1e-3, (uncompressed, loopback)
+    assert pipeline["parameters"] == loopback["parameters"]  # both count the anchors once
+
+
+def test_the_tables_baseline_has_mapls_parameters_and_starts_as_the_stock_model():
+    """``tables``: the uncompressed model plus MAPL's anchor tables (the equal-parameter baseline). Its tables
+    start at zero, so its first step is the stock model's; then the tables learn."""
+    runs = {
+        v: run_distributed(train_loopback, 1, _config(), v, STEPS, DATA_SEED, EVAL_ITERS, timeout=600)[0]
+        for v in ("none", "tables", "8x")
+    }
+    assert runs["tables"]["parameters"] == runs["8x"]["parameters"] > runs["none"]["parameters"]
+    assert runs["tables"]["train"][0] == runs["none"]["train"][0]  # a(t, p) = 0 at the start: the same forward
+    assert abs(runs["tables"]["valid"] - runs["none"]["valid"]) > 1e-4, runs
