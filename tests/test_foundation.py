@@ -141,7 +141,7 @@ def test_text_goes_through_a_megatron_core_indexed_dataset(tmp_path):
 def test_a_bpe_vocabulary_trained_on_the_training_files_round_trips_their_text(tmp_path, monkeypatch):
     import pathlib
 
-    from tokenizers import Tokenizer
+    Tokenizer = pytest.importorskip("tokenizers", reason="the dev extra installs tokenizers").Tokenizer
 
     from megatron_taco.training.data import bpe_text_batches, stdlib_text_files, train_bpe_vocabulary
 

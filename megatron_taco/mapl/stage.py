@@ -36,7 +36,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from megatron_taco.config.mapl import MaplConfig
+from megatron_taco.config.mapl import MaplConfig, MaplConfigError
 from megatron_taco.mapl.anchor_init import start_anchors_from_embedding
 from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stiefel import StiefelMomentumSGD
@@ -362,7 +362,7 @@ def step_projections_with(
             # megatron-core's clip_grad_by_total_norm_fp32, applied to U
             coeff = min(1.0, clip / (float(grad_norm) + 1.0e-6)) if clip > 0.0 and grad_norm is not None else 1.0
             with torch.profiler.record_function(CODEC_RANGE):
-                grads = [b.projection.grad * (coeff / state["loss_scale"]) for b in boundaries]
+                grads = [_projection_grad(b) * (coeff / state["loss_scale"]) for b in boundaries]
                 manifold.step(grads, lr_scale=lr_scale)
         for b in boundaries:  # used, or dropped with a skipped step
             b.projection.grad = None
@@ -373,13 +373,28 @@ def step_projections_with(
     optimizer.step = step_with_projections
 
 
+def _projection_grad(boundary: BoundaryCodec) -> torch.Tensor:
+    """U's gradient of this step (zero where the step gave it none)."""
+    grad = boundary.projection.grad
+    return torch.zeros_like(boundary.projection) if grad is None else grad
+
+
 def _count_projections_in_grad_norm(optimizer: Any, boundaries: List[BoundaryCodec], state: Dict[str, Any]) -> None:
     """Add U's gradients (divided by ``state["loss_scale"]``) to the list megatron-core takes its gradient norm of
     (0.16: ``get_main_grads_for_grad_norm``, 0.19: ``get_grads_for_grad_norm``; one sub-optimizer's: the norm
     is over all of them). A boundary's U has one replica per stage of its pair, TP rank and, in a distributed
     optimizer's group, DP rank: with c replicas in the norm's group, each adds its gradient / sqrt(c), so the
     squares sum to the gradient's once."""
-    target = next(o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if o.get_parameters())
+    subs = getattr(optimizer, "chained_optimizers", None)
+    nested = subs is not None and (
+        type(optimizer).__name__ != "ChainedOptimizer" or any(hasattr(o, "chained_optimizers") for o in subs)
+    )
+    if nested:  # e.g. 0.19's layer-wise optimizers: their norm is not the sum of the sub-optimizers' lists
+        raise MaplConfigError(
+            f"MAPL puts U under --clip-grad through megatron-core's standard optimizers; {type(optimizer).__name__} "
+            "(chained optimizers nested or a custom norm) is not supported: use --optimizer adam or sgd"
+        )
+    target = next(o for o in (subs or [optimizer]) if o.get_parameters())
     name = "get_grads_for_grad_norm" if hasattr(target, "get_grads_for_grad_norm") else "get_main_grads_for_grad_norm"
     grads_for_norm = getattr(target, name)
     group = target.get_grad_stats_parallel_group()
@@ -397,9 +412,7 @@ def _count_projections_in_grad_norm(optimizer: Any, boundaries: List[BoundaryCod
         grads = grads_for_norm(*args, **kwargs)
         if args or kwargs.get("grad_norm_group") is not None:  # 0.19's separate groups: U is in the main norm
             return grads
-        extra = [b.projection.grad * (w / state["loss_scale"]) for b, w in zip(boundaries, weights)
-                 if b.projection.grad is not None]  # fmt: skip
-        return list(grads) + extra
+        return list(grads) + [_projection_grad(b) * (w / state["loss_scale"]) for b, w in zip(boundaries, weights)]
 
     setattr(target, name, with_projections)
 

@@ -131,7 +131,10 @@ def train_bpe_vocabulary(train_files: list, vocab_size: int) -> str:
         raise RuntimeError(f"a BPE vocabulary needs the tokenizers package (pip install tokenizers): {exc}") from None
     if not 256 < vocab_size <= 65536:
         raise ValueError(f"BPE vocabulary of {vocab_size} tokens: expected 257-65536 (uint16 token ids)")
-    path = _cache_path(train_files, f"bpe{vocab_size}") + ".json"
+    import tokenizers
+
+    # the cache name holds the trainer's settings and the tokenizers version (another version may merge otherwise)
+    path = _cache_path(train_files, f"bpe{vocab_size}-tokenizers{tokenizers.__version__}") + ".json"
     if not os.path.exists(path):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tokenizer = Tokenizer(models.BPE())
@@ -153,14 +156,19 @@ def bpe_text_batches(
 ) -> Iterator[Dict[str, torch.Tensor]]:
     """Batches of text files tokenized with the BPE ``vocabulary`` (from :func:`train_bpe_vocabulary`), through
     an indexed dataset cached beside it."""
+    import hashlib
+
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(vocabulary)
+    if tokenizer.get_vocab_size() > 65536:
+        raise ValueError(f"{vocabulary}: {tokenizer.get_vocab_size()} tokens do not fit the dataset's uint16 ids")
 
     def encode(data: bytes) -> torch.Tensor:
         return torch.tensor(tokenizer.encode(data.decode("utf-8", errors="replace")).ids, dtype=torch.int32)
 
-    name = "tokens-" + os.path.basename(vocabulary).removesuffix(".json")
+    with open(vocabulary, "rb") as f:  # tokens of this vocabulary file's contents, wherever it lies
+        name = "tokens-" + hashlib.sha1(f.read()).hexdigest()[:16]
     prefix = build_token_dataset(files, _cache_path(files, name), encode)
     return indexed_dataset_batches(prefix, seq_length, micro_batch_size, seed, data_parallel_rank)
 
