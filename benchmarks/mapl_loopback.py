@@ -18,7 +18,10 @@ the same anchor tables, h + a(t, p) at the boundary, the tables starting at zero
 ``mapl_variants.AnchorsWithoutCompression``), ``+subspace`` (the lead of the MAPL issue: every layer before the
 boundary writes its update through U, and the embedding enters as a(t) plus its part in U's span, so h - a(t)
 stays in span(U) and the boundary drops nothing; the layers before it work in an r-dimensional stream
-beside the anchors). Results are resumable (``--json``); the report gives each variant's mean validation
+beside the anchors), ``+fp8`` / ``+int4`` (the same bytes per token spent on a wider z: rank 2d / R in FP8 or
+4d / R in INT4, z and dL/dz through TACO's codec, Hadamard and one power-of-two scale per group of up to 128;
+the scale bytes make the real ratio a little lower, and the report names it), ``+anchorsK`` (anchor rank K).
+Results are resumable (``--json``); the report gives each variant's mean validation
 loss and the paired 95% interval of its difference to the first variant over the seeds.
 
 ``--pipeline-parallel 2`` trains ``none`` and ``R x`` as real PP=2 runs instead (two ranks each: megatron-core's
@@ -59,10 +62,11 @@ class LoopbackBoundary(torch.nn.Module):
     """A MAPL boundary after decoder layer ``layer`` of a PP=1 GPTModel (a submodule of it, so Megatron's
     optimizer trains the anchors like any parameter); ``subspace``: the layers before it write through U."""
 
-    def __init__(self, model: torch.nn.Module, codec: BoundaryCodec, layer: int, mode: str) -> None:
+    def __init__(self, model: torch.nn.Module, codec: BoundaryCodec, layer: int, mode: str, wire=None) -> None:
         super().__init__()
         self.codec = codec
         self.mode = mode
+        self.wire = wire  # TACO's codec on z and dL/dz (None: bf16)
         self._ids = None
         model.add_module("mapl_loopback", self)
         model.register_forward_pre_hook(self._remember_ids)
@@ -97,27 +101,86 @@ class LoopbackBoundary(torch.nn.Module):
             hidden = (hidden.float() + self.codec._anchors(tokens, positions, None)).to(hidden.dtype)
         else:
             wire = self.codec.project(hidden, tokens, positions)  # in the hidden states' dtype, like the P2P message
+            if self.wire is not None:
+                wire = _WireRoundTrip.apply(wire, self.wire)
             hidden = self.codec.reconstruct(wire, tokens, hidden.dtype, positions)
         return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+
+# Wire element formats of the "+fp8" / "+int4" variants: TACO's codec on z (forward) and dL/dz (backward), one
+# power-of-two scale byte per group of up to 128 values of a token's z, the Hadamard transform on.
+WIRE_CODECS = {"fp8": ("e4m3", 8), "int4": ("int4", 4)}
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """A row of the study: ``mode`` "none" (stock), "compress" (MAPL at ``ratio``), "subspace" (MAPL with the
-    layers before the boundary writing through U) or "tables" (uncompressed, MAPL's anchor tables added)."""
+    layers before the boundary writing through U) or "tables" (uncompressed, MAPL's anchor tables added).
+    ``wire``: "bf16" (z as the pipeline dtype), or "fp8" / "int4": z and its gradient through TACO's codec at
+    the rank that keeps the bytes per token of ratio R (r = 2d / R for FP8, 4d / R for INT4; the scale bytes
+    make the real ratio a little lower: ``wire_ratio``). ``anchor_rank``: the anchors' k (None: the default)."""
 
     mode: str
     ratio: float = 1.0
+    wire: str = "bf16"
+    anchor_rank: Optional[int] = None
+
+    def rank(self, hidden_size: int) -> int:
+        bits = WIRE_CODECS[self.wire][1] if self.wire != "bf16" else 16
+        return int(hidden_size * 16 / bits / self.ratio)
+
+    def wire_codec(self, hidden_size: int):
+        """TACO's codec of the z message (None: bf16)."""
+        if self.wire == "bf16":
+            return None
+        from megatron_taco.codec import TacoCodec
+
+        return TacoCodec(min(128, self.rank(hidden_size)), WIRE_CODECS[self.wire][0], "ash", "e8m0")
+
+    def wire_ratio(self, hidden_size: int) -> float:
+        """bf16 bytes of h over the wire bytes of z, per token (scales included, the message header not)."""
+        codec = self.wire_codec(hidden_size)
+        if codec is None:
+            return hidden_size / self.rank(hidden_size)
+        r = self.rank(hidden_size)
+        return 2 * hidden_size / (codec.compressed_nbytes(r) - codec.compressed_nbytes(0))
 
 
 def _parse(variant: str) -> Variant:
-    """'none', 'tables', 'Rx' or 'Rx+subspace'."""
+    """'none', 'tables', 'Rx' or 'Rx' with options '+subspace', '+fp8' / '+int4', '+anchorsK'."""
     if variant in ("none", "tables"):
         return Variant(variant)
-    ratio, _, extra = variant.partition("+")
-    if not ratio.endswith("x") or extra not in ("", "subspace"):
-        raise ValueError(f"variant {variant!r}: expected none, tables, Rx or Rx+subspace")
-    return Variant("subspace" if extra else "compress", float(ratio[:-1]))
+    ratio, *extras = variant.split("+")
+    fields = dict(mode="compress")
+    for extra in extras:
+        if extra == "subspace":
+            fields["mode"] = "subspace"
+        elif extra in WIRE_CODECS:
+            fields["wire"] = extra
+        elif extra.startswith("anchors") and extra[7:].isdigit():
+            fields["anchor_rank"] = int(extra[7:])
+        else:
+            ratio = ""
+    if not ratio.endswith("x") or len(extras) != len(set(extras)):
+        raise ValueError(
+            f"variant {variant!r}: expected none, tables, or Rx with options +subspace, +fp8 or +int4, +anchorsK"
+        )
+    return Variant(ratio=float(ratio[:-1]), **fields)
+
+
+class _WireRoundTrip(torch.autograd.Function):
+    """z -> decode(encode(z)) forward, g -> decode(encode(g)) backward: what the r-wide P2P messages of a
+    compressed wire deliver in both directions."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, codec) -> torch.Tensor:
+        ctx.codec = codec
+        return codec.decompress(codec.compress(z), z.shape, z.dtype, validate=False)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        codec = ctx.codec
+        return codec.decompress(codec.compress(grad), grad.shape, grad.dtype, validate=False), None
 
 
 def train_config(shape: ModelShape, seed: int, steps: int, lr: float, warmup: int, micro_batch_size: int = 4,
@@ -163,8 +226,12 @@ def _loopback_trainer(cfg, variant: Variant):
     from megatron_taco.training import loop
     from megatron_taco.training.loop import Trainer
 
-    defaults = MaplConfig(ratio=variant.ratio) if variant.mode != "none" else None
     shape = cfg.shape
+    defaults = None
+    if variant.mode != "none":
+        defaults = MaplConfig(rank=variant.rank(shape.hidden_size))
+        if variant.anchor_rank is not None:
+            defaults = dataclasses.replace(defaults, anchor_rank=variant.anchor_rank)
     state = {}
     build = loop.build_gpt_model
 
@@ -187,7 +254,8 @@ def _loopback_trainer(cfg, variant: Variant):
                     codec.anchor_embedding.zero_()
                     if codec.positions:
                         codec.anchor_position.zero_()
-            state["boundary"] = LoopbackBoundary(model, codec, shape.num_layers // 2, variant.mode)
+            wire = variant.wire_codec(shape.hidden_size)
+            state["boundary"] = LoopbackBoundary(model, codec, shape.num_layers // 2, variant.mode, wire)
         return model
 
     loop.build_gpt_model = build_with_boundary
@@ -230,7 +298,11 @@ def train_loopback(
     if pipeline_parallel == 1:
         trainer = _loopback_trainer(cfg, parsed)
     else:
-        mapl = MaplConfig(ratio=parsed.ratio) if parsed.mode == "compress" else None
+        mapl = None
+        if parsed.mode == "compress":
+            mapl = MaplConfig(rank=parsed.rank(shape.hidden_size))
+            if parsed.anchor_rank is not None:
+                mapl = dataclasses.replace(mapl, anchor_rank=parsed.anchor_rank)
         trainer = Trainer(dataclasses.replace(cfg, pipeline_parallel=pipeline_parallel, mapl=mapl))
     parameters = _parameters(trainer)
     mbs = cfg.micro_batch_size
@@ -302,8 +374,12 @@ def report(args, results: dict) -> List[str]:
             mean, _, low, high = paired_interval(diff)
             cells = f"{mean:+.2f}%", "-" if low != low else f"[{low:+.2f}%, {high:+.2f}%]"
         count = runs[f"{variant} | seed {seeds[0]}"]["parameters"]
+        parsed = _parse(variant)
+        label = variant
+        if parsed.mode != "none" and parsed.mode != "tables":
+            label += f" (r {parsed.rank(MODEL.hidden_size)}, {parsed.wire_ratio(MODEL.hidden_size):.2f}x)"
         lines.append(
-            f"| {variant} | {count:,} | {len(seeds)} | {statistics.mean(valid):.4f} ({sd}) | {cells[0]} | {cells[1]} |"
+            f"| {label} | {count:,} | {len(seeds)} | {statistics.mean(valid):.4f} ({sd}) | {cells[0]} | {cells[1]} |"
         )
     return lines
 
@@ -332,11 +408,13 @@ def main(argv: Optional[List[str]] = None) -> None:
     args.argv = argv if argv is not None else __import__("sys").argv[1:]
     for variant in args.variants.split(";"):
         try:
-            mode = _parse(variant).mode
+            parsed = _parse(variant)
         except ValueError as exc:
             parser.error(f"--variants: {exc}")
-        if args.pipeline_parallel == 2 and mode not in ("none", "compress"):
-            parser.error(f"--variants: {variant!r} is a loopback variant; at --pipeline-parallel 2 use none or Rx")
+        if args.pipeline_parallel == 2 and (parsed.mode not in ("none", "compress") or parsed.wire != "bf16"):
+            parser.error(
+                f"--variants: {variant!r} is a loopback variant; at --pipeline-parallel 2 use none, Rx or Rx+anchorsK"
+            )
     if args.vocab_size < 256 or args.vocab_size > 65536:
         parser.error(f"--vocab-size {args.vocab_size}: expected 256 (bytes) or a BPE size up to 65536")
     setup = {k: getattr(args, k) for k in ("steps", "lr", "warmup", "eval_iters")}
@@ -390,7 +468,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             except Exception as exc:  # the other runs go on; this one is reported and left to a re-run
                 print(f"  {v} | seed {s}: FAILED: {exc}", flush=True)
                 continue
-            results["runs"][f"{v} | seed {s}"] = run
+            results["runs"][f"{v} | seed {s}"] = dict(run, commit=results["commit"], date=results["date"])
             print(f"  {v} | seed {s}: final train {run['train'][-1]:.4f} valid {run['valid']:.4f}", flush=True)
             save()
     save()

@@ -5,8 +5,11 @@ other parameters in one norm on both sides)."""
 
 from __future__ import annotations
 
+import pytest
+import torch
+
 from benchmarks.loss_compare import MODELS
-from benchmarks.mapl_loopback import train_config, train_loopback
+from benchmarks.mapl_loopback import _parse, _WireRoundTrip, train_config, train_loopback
 from megatron_taco.testing.distributed import run_distributed
 
 SHAPE = MODELS["gpt-tiny"]  # 4 layers, hidden 64, learned positions (position anchors on)
@@ -43,3 +46,42 @@ def test_the_tables_baseline_has_mapls_parameters_and_starts_as_the_stock_model(
     assert runs["tables"]["parameters"] == runs["8x"]["parameters"] > runs["none"]["parameters"]
     assert runs["tables"]["train"][0] == runs["none"]["train"][0]  # a(t, p) = 0 at the start: the same forward
     assert abs(runs["tables"]["valid"] - runs["none"]["valid"]) > 1e-4, runs
+
+
+def test_variants_name_their_rank_and_real_ratio_and_bad_names_fail():
+    assert (_parse("8x").rank(512), _parse("8x").wire_ratio(512)) == (64, 8.0)
+    fp8 = _parse("8x+fp8")
+    assert (fp8.rank(512), round(fp8.wire_ratio(512), 2)) == (128, 7.94)  # 128 codes + 1 scale byte per token
+    int4 = _parse("16x+int4+anchors32")
+    assert (int4.rank(512), int4.anchor_rank, round(int4.wire_ratio(512), 2)) == (128, 32, 15.75)
+    for bad in ("8x+fp16", "8x+fp8+fp8", "8", "8x+anchors"):
+        with pytest.raises(ValueError, match="expected none, tables, or Rx"):
+            _parse(bad)
+
+
+def test_the_wire_round_trip_quantizes_z_forward_and_its_gradient_backward():
+    """``+fp8``: what the r-wide messages deliver, both ways: decode(encode(z)) and decode(encode(dL/dz))."""
+    gen = torch.Generator().manual_seed(0)
+    z = (torch.randn(8, 2, 128, generator=gen) * torch.logspace(-3, 1, 128)).to(torch.bfloat16)  # heavy columns
+    grad = torch.randn(8, 2, 128, generator=gen).to(torch.bfloat16) * 1e-4
+    codec = _parse("8x+fp8").wire_codec(512)
+    leaf = z.clone().requires_grad_(True)
+    out = _WireRoundTrip.apply(leaf, codec)
+    out.backward(grad)
+    assert torch.equal(out, codec.decompress(codec.compress(z), z.shape, z.dtype))
+    assert torch.equal(leaf.grad, codec.decompress(codec.compress(grad), grad.shape, grad.dtype))
+    assert not torch.equal(out, z) and not torch.equal(leaf.grad, grad)  # FP8: rounded both ways
+    error = (out.double() - z.double()).norm() / z.double().norm()
+    assert 1e-3 < error < 0.05, error  # E4M3 with a Hadamard and power-of-two scales
+
+
+def test_a_compressed_wire_trains_near_the_bf16_wire_of_the_same_rank():
+    """``8x+fp8`` has the rank of ``4x`` (16 of 64 on this model) and sends it in FP8: the same run up to the
+    rounding of z and dL/dz."""
+    runs = {
+        v: run_distributed(train_loopback, 1, _config(), v, STEPS, DATA_SEED, EVAL_ITERS, timeout=600)[0]
+        for v in ("4x", "8x+fp8")
+    }
+    first = [runs[v]["train"][0] for v in ("4x", "8x+fp8")]
+    assert first[0] != first[1] and abs(first[0] - first[1]) < 1e-2 * first[0], first
+    assert abs(runs["4x"]["valid"] - runs["8x+fp8"]["valid"]) < 2e-2 * runs["4x"]["valid"], runs
