@@ -130,20 +130,19 @@ def _round_to_grid(x, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB
 
 
 @triton.jit
-def _e2m1_codes(q):
-    """4-bit E2M1 codes (s|ee|m) of q rounded to nearest on the grid 0, 0.5, 1, 1.5, 2, 3, 4, 6 (|q| <= 6),
-    ties to the even code (``reference._four_bit_codes``). From 1 up the code is |q|'s exponent and top
-    mantissa bit after rounding the mantissa to 1 bit (integer arithmetic, ties to even; a carry moves to the
-    next exponent): (biased exponent << 1 | m) - 252. Below 1 it is 2|q| rounded to an integer, ties to even
-    (the fp32 adder, with 1.5 * 2^23 added: 0, 1 or 2, the last being 1.0's code). The sign bit is q's, -0.0
-    included."""
-    a = tl.abs(q)
+def _e2m1_codes(a, signed):
+    """4-bit E2M1 codes (s|ee|m) of a = |q| (<= 6) rounded to nearest on the grid 0, 0.5, 1, 1.5, 2, 3, 4, 6,
+    ties to the even code (``reference._four_bit_codes``), with the sign bit of ``signed`` (q's, -0.0
+    included). From 1 up the code is a's exponent and top mantissa bit after rounding the mantissa to 1 bit
+    (integer arithmetic, ties to even; a carry moves to the next exponent): (biased exponent << 1 | m) - 252.
+    Below 1 it is 2a rounded to an integer, ties to even (one fused multiply-add with 1.5 * 2^23: 2a is exact,
+    so one rounding: 0, 1 or 2, the last being 1.0's code)."""
     bits = a.to(tl.uint32, bitcast=True)
     normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252
-    below_one = ((a + a) + 12582912.0).to(tl.uint32, bitcast=True) & 0x3
+    below_one = tl.fma(a, 2.0, 12582912.0).to(tl.uint32, bitcast=True) & 0x3
     magnitude = tl.where(a < 1.0, below_one, normal).to(tl.int32)
-    sign = ((q.to(tl.uint32, bitcast=True) >> 31) & 1).to(tl.int32)
-    return magnitude | (sign << 3)
+    sign = ((signed.to(tl.uint32, bitcast=True) >> 28) & 8).to(tl.int32)
+    return magnitude | sign
 
 
 @triton.jit
@@ -173,11 +172,10 @@ def _four_bit_values(codes, INTEGER: tl.constexpr):
     """fp32 values of 4-bit codes (int32 0..15): INT4 two's complement, or E2M1 (``reference.code_values``)."""
     if INTEGER:
         return ((codes ^ 8) - 8).to(tl.float32)
-    exponent = (codes >> 1) & 3
-    half_steps = (codes & 1).to(tl.float32)
-    power = (tl.maximum(exponent - 1 + 127, 1) << 23).to(tl.float32, bitcast=True)  # 2^(e - 1), exact
-    magnitude = tl.where(exponent == 0, half_steps * 0.5, power * (1.0 + 0.5 * half_steps))
-    return tl.where((codes & 8) != 0, -magnitude, magnitude)
+    # s|ee|m into an fp32's sign, the bottom of its exponent and the top of its mantissa: 2^(e - 127) (1 + m / 2)
+    # = value * 2^-126 for e > 0, and the subnormal m 2^-127 = value * 2^-126 for e = 0; times 2^126, exact
+    bits = ((codes & 7) << 22) | ((codes & 8) << 28)
+    return bits.to(tl.float32, bitcast=True) * 8.507059173023462e37
 
 
 @triton.jit
@@ -343,7 +341,9 @@ def _compress_kernel(
     # one multiply per element; NaN over a non-finite group, which a GPU's FP8 cast writes as NAN_BYTE
     q = y * tl.where(nonfinite, float("nan"), inverse)[:, None]
 
-    if CODE_KIND >= 2 or not HW_ROUNDING:  # a GPU's FP8 cast saturates (satfinite) to the same +-M
+    # a GPU's FP8 cast saturates (satfinite) to the same +-M; E2M1 rounded to nearest takes min(|q|, M) below
+    E2M1_NEAREST: tl.constexpr = CODE_KIND == 2 and not STOCHASTIC
+    if (CODE_KIND >= 2 or not HW_ROUNDING) and not E2M1_NEAREST:
         q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
     if CODE_KIND >= 2:  # 4 bits, two per byte; a non-finite group's NaN scale decodes it to NaN
         if STOCHASTIC:
@@ -354,11 +354,11 @@ def _compress_kernel(
             if CODE_KIND == 3:
                 nibbles = r.to(tl.int32) & 0xF
             else:
-                nibbles = _e2m1_codes(r)
-        elif CODE_KIND == 3:
-            nibbles = ((q + 12582912.0) - 12582912.0).to(tl.int32) & 0xF  # integers, ties to even
-        else:
-            nibbles = _e2m1_codes(q)
+                nibbles = _e2m1_codes(magnitude, r)
+        elif CODE_KIND == 3:  # q + 1.5 * 2^23 rounds q to an integer n (ties to even) and holds n in its low bits
+            nibbles = (q + 12582912.0).to(tl.int32, bitcast=True) & 0xF
+        else:  # |clamp(q, -M, M)| in one instruction, the sign from q
+            nibbles = _e2m1_codes(tl.minimum(tl.abs(q), FP8_MAX), q)
         # byte i = element 2i | element 2i + 1 << 4, as a sum over the pair axis (no split: the layout stays)
         nibble_shift = (tl.arange(0, 2) * 4)[None, None, :]
         packed = tl.sum(tl.reshape(nibbles, (BLOCK_G, G // 2, 2)) << nibble_shift, axis=2)
