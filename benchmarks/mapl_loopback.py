@@ -20,7 +20,8 @@ boundary writes its update through U, and the embedding enters as a(t) plus its 
 stays in span(U) and the boundary drops nothing; the layers before it work in an r-dimensional stream
 beside the anchors), ``+fp8`` / ``+int4`` (the same bytes per token spent on a wider z: rank 2d / R in FP8 or
 4d / R in INT4, z and dL/dz through TACO's codec, Hadamard and one power-of-two scale per group of up to 128;
-the scale bytes make the real ratio a little lower, and the report names it), ``+anchorsK`` (anchor rank K).
+the scale bytes make the real ratio a little lower, and the report names it; ``+fp8`` is ``--mapl-wire fp8``),
+``+anchorsK`` (anchor rank K).
 Results are resumable (``--json``); the report gives each variant's mean validation
 loss and the paired 95% interval of its difference to the first variant over the seeds.
 
@@ -43,11 +44,13 @@ from typing import List, Optional
 
 import torch
 
+from megatron_taco.codec import TacoCodec
 from megatron_taco.config.mapl import MaplConfig
 from megatron_taco.mapl.anchor_init import start_anchors_from_embedding
 from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stage import step_projections_with
 from megatron_taco.mapl.stiefel import StiefelMomentumSGD
+from megatron_taco.mapl.wire import fp8_wire_codec
 from megatron_taco.testing.distributed import run_distributed
 from megatron_taco.training.model import ModelShape
 
@@ -107,9 +110,10 @@ class LoopbackBoundary(torch.nn.Module):
         return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
 
-# Wire element formats of the "+fp8" / "+int4" variants: TACO's codec on z (forward) and dL/dz (backward), one
-# power-of-two scale byte per group of up to 128 values of a token's z, the Hadamard transform on.
-WIRE_CODECS = {"fp8": ("e4m3", 8), "int4": ("int4", 4)}
+# Bits per value of the "+fp8" / "+int4" variants: TACO's codec on z (forward) and dL/dz (backward), the
+# Hadamard transform on, one power-of-two scale byte per group of a token's z. FP8 is --mapl-wire fp8's codec
+# (``mapl.wire.fp8_wire_codec``); INT4 exists only here.
+WIRE_BITS = {"fp8": 8, "int4": 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,16 +130,15 @@ class Variant:
     anchor_rank: Optional[int] = None
 
     def rank(self, hidden_size: int) -> int:
-        bits = WIRE_CODECS[self.wire][1] if self.wire != "bf16" else 16
-        return int(hidden_size * 16 / bits / self.ratio)
+        return int(hidden_size * 16 / WIRE_BITS.get(self.wire, 16) / self.ratio)
 
     def wire_codec(self, hidden_size: int):
         """TACO's codec of the z message (None: bf16)."""
         if self.wire == "bf16":
             return None
-        from megatron_taco.codec import TacoCodec
-
-        return TacoCodec(min(128, self.rank(hidden_size)), WIRE_CODECS[self.wire][0], "ash", "e8m0")
+        if self.wire == "fp8":
+            return fp8_wire_codec(self.rank(hidden_size))
+        return TacoCodec(min(128, self.rank(hidden_size)), "int4", "ash", "e8m0")
 
     def wire_ratio(self, hidden_size: int) -> float:
         """bf16 bytes of h over the wire bytes of z, per token (scales included, the message header not)."""
@@ -155,7 +158,7 @@ def _parse(variant: str) -> Variant:
     for extra in extras:
         if extra == "subspace":
             fields["mode"] = "subspace"
-        elif extra in WIRE_CODECS:
+        elif extra in WIRE_BITS:
             fields["wire"] = extra
         elif extra.startswith("anchors") and extra[7:].isdigit():
             fields["anchor_rank"] = int(extra[7:])
@@ -300,7 +303,7 @@ def train_loopback(
     else:
         mapl = None
         if parsed.mode == "compress":
-            mapl = MaplConfig(rank=parsed.rank(shape.hidden_size))
+            mapl = MaplConfig(rank=parsed.rank(shape.hidden_size), wire=parsed.wire)
             if parsed.anchor_rank is not None:
                 mapl = dataclasses.replace(mapl, anchor_rank=parsed.anchor_rank)
         trainer = Trainer(dataclasses.replace(cfg, pipeline_parallel=pipeline_parallel, mapl=mapl))
@@ -411,9 +414,10 @@ def main(argv: Optional[List[str]] = None) -> None:
             parsed = _parse(variant)
         except ValueError as exc:
             parser.error(f"--variants: {exc}")
-        if args.pipeline_parallel == 2 and (parsed.mode not in ("none", "compress") or parsed.wire != "bf16"):
+        if args.pipeline_parallel == 2 and (parsed.mode not in ("none", "compress") or parsed.wire == "int4"):
             parser.error(
-                f"--variants: {variant!r} is a loopback variant; at --pipeline-parallel 2 use none, Rx or Rx+anchorsK"
+                f"--variants: {variant!r} is a loopback variant; at --pipeline-parallel 2 use none or Rx, with "
+                "+fp8 (--mapl-wire fp8) or +anchorsK"
             )
     if args.vocab_size < 256 or args.vocab_size > 65536:
         parser.error(f"--vocab-size {args.vocab_size}: expected 256 (bytes) or a BPE size up to 65536")

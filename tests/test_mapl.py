@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megatron_taco.config.mapl import MaplConfig, MaplConfigError, add_mapl_args, mapl_config_from_args
+from megatron_taco.mapl.wire import fp8_wire_codec
 from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stiefel import (
     StiefelMomentumSGD,
@@ -469,6 +470,8 @@ def _parse(argv):
             ["--mapl-ratio", "4", "--mapl-context-anchors", "2", "--mapl-fixed-projection"],
             "--mapl-context-anchors needs token anchors",
         ),
+        (["--mapl-ratio", "8", "--mapl-wire", "fp8", "--mapl-vq-levels", "2"], "--mapl-wire fp8 and --mapl-vq-levels"),
+        (["--mapl-ranks", "32,16", "--mapl-wire", "fp8"], "--mapl-wire fp8 needs one wire width"),
     ],
 )
 def test_invalid_mapl_flags_name_the_flag(argv, flag):
@@ -484,6 +487,7 @@ def test_invalid_mapl_flags_name_the_flag(argv, flag):
         (["--mapl-position-anchors", "off"], "--mapl-position-anchors"),
         (["--mapl-anchor-init", "random"], "--mapl-anchor-init"),
         (["--mapl-context-anchors", "1"], "--mapl-context-anchors"),
+        (["--mapl-wire", "fp8"], "--mapl-wire"),
     ],
 )
 def test_mapl_flags_without_a_rank_are_rejected(argv, named):
@@ -512,6 +516,12 @@ def test_invalid_mapl_combinations_with_the_model_are_rejected():
     with pytest.raises(MaplConfigError, match="--mapl-ranks: invalid value 99 for boundary 1"):
         TrainConfig(TINY_GPT, pipeline_parallel=4, mapl=MaplConfig(ranks=(8, 99, 8)))
     assert _parse(["--mapl-ranks", "32,16,8"]).ranks == (32, 16, 8)
+    # the FP8 wire keeps a ratio's bytes per token: twice the rank (hidden 64: 8x -> 16 values of one byte)
+    assert _parse(["--mapl-ratio", "8", "--mapl-wire", "fp8"]).wire_rank(64) == 16
+    with pytest.raises(MaplConfigError, match=r"--mapl-ratio: invalid value 1; hidden size 64 x 2 \(--mapl-wire fp8\)"):
+        MaplConfig(ratio=1, wire="fp8").wire_rank(64)
+    with pytest.raises(MaplConfigError, match="--mapl-wire fp8: the wire rank 24 must be a multiple of 16"):
+        fp8_wire_codec(24)
     rope = dataclasses.replace(TINY_GPT, position_embedding="rope")
     with pytest.raises(MaplConfigError, match="--mapl-position-anchors on: the model's position embedding is 'rope'"):
         TrainConfig(rope, pipeline_parallel=2, mapl=MaplConfig(ratio=4, position_anchors=True))

@@ -23,10 +23,13 @@ def _config():
     )
 
 
-def test_loopback_trains_like_pp2():
-    pipeline = run_distributed(train_loopback, 2, _config(), "8x", STEPS, DATA_SEED, EVAL_ITERS, "", 2, timeout=600)
+@pytest.mark.parametrize("variant", ["8x", "8x+fp8"])
+def test_loopback_trains_like_pp2(variant):
+    """``8x+fp8``: PP=2 with ``--mapl-wire fp8`` (CodecWireCommunicator encodes z and dL/dz on send, decodes
+    them on arrival) against the loopback's round trip of both through the same codec."""
+    pipeline = run_distributed(train_loopback, 2, _config(), variant, STEPS, DATA_SEED, EVAL_ITERS, "", 2, timeout=600)
     pipeline = pipeline[0]
-    loopback = run_distributed(train_loopback, 1, _config(), "8x", STEPS, DATA_SEED, EVAL_ITERS, timeout=600)[0]
+    loopback = run_distributed(train_loopback, 1, _config(), variant, STEPS, DATA_SEED, EVAL_ITERS, timeout=600)[0]
     uncompressed = run_distributed(train_loopback, 1, _config(), "none", STEPS, DATA_SEED, EVAL_ITERS, timeout=600)[0]
     assert min(pipeline["grad_norms"]) > 0.05, pipeline["grad_norms"]  # clipping was active on every step
     for a, b in zip(pipeline["train"] + [pipeline["valid"]], loopback["train"] + [loopback["valid"]]):

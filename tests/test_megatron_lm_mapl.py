@@ -194,6 +194,17 @@ def test_mapl_in_megatron_lm_sends_r_wide_and_keeps_replicas_identical():
     assert all(torch.isfinite(torch.tensor(receiver["losses"])))
 
 
+def test_the_fp8_wire_in_megatron_lm_sends_codec_messages_both_ways():
+    """--mapl-wire fp8 at 4x in bytes: r = 2d / 4 = 16 values of one byte per token plus one scale byte per 16,
+    after a 16-byte header, sent as one message of fp32 elements each way; it trains and the replicas agree."""
+    flags = ["--mapl-ratio", "4", "--mapl-wire", "fp8"]
+    sender, receiver = run_distributed(_megatron_lm_steps, 2, flags, 3, timeout=240)
+    message = 16 + SEQ * MICRO_BATCH * (16 + 1)
+    assert sender["p2p_shapes"] == receiver["p2p_shapes"] == [(1, 1, message // 4)] * 3
+    assert torch.equal(sender["u"][0], receiver["u"][0]) and min(sender["u_moved"]) > 1e-4
+    assert receiver["losses"][-1] < receiver["losses"][0], receiver["losses"]
+
+
 def test_mapl_at_full_width_trains_like_megatron_lm_without_it():
     """r = d loses nothing: the same losses as without MAPL (only the anchors' and U's rounding differs). Without
     clipping: U's gradient counts in the clipped norm, so with --clip-grad the coefficients differ."""

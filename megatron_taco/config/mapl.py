@@ -8,17 +8,21 @@ from typing import List, Optional, Tuple
 
 from megatron_taco.config.errors import MaplConfigError
 
-__all__ = ["ANCHOR_INITS", "MaplConfig", "add_mapl_args", "mapl_config_from_args"]
+__all__ = ["ANCHOR_INITS", "WIRES", "MaplConfig", "add_mapl_args", "mapl_config_from_args"]
 
 
 ANCHOR_INITS = ("embedding", "random")
+# what z travels as: "bf16" = the pipeline dtype; "fp8" = TACO's FP8 codec, at twice the rank for a ratio
+WIRES = {"bf16": 1, "fp8": 2}  # wire name: rank multiplier at a given --mapl-ratio (bytes per token kept)
 
 
 @dataclasses.dataclass(frozen=True)
 class MaplConfig:
     """rank: wire width r of every boundary (hidden d -> r); ratio d / r is the compression;
     ranks: one r per boundary, in pipeline order (boundary g joins pipeline positions g and g + 1);
-    vq_levels > 0: residual VQ of z with that many codebooks of vq_codes codes (indices on the wire)."""
+    vq_levels > 0: residual VQ of z with that many codebooks of vq_codes codes (indices on the wire);
+    wire: "bf16" (z in the pipeline dtype) or "fp8" (z and dL/dz as FP8 codec messages; a ratio then means
+    bytes per token, so r = 2d / ratio)."""
 
     rank: Optional[int] = None
     ratio: Optional[float] = None
@@ -41,8 +45,15 @@ class MaplConfig:
     vq_decay: float = 0.9
     vq_sync_rows: int = 0
     vq_sync_tolerance: float = 1e-3
+    wire: str = "bf16"
 
     def __post_init__(self) -> None:
+        if self.wire not in WIRES:
+            raise MaplConfigError(f"--mapl-wire: invalid value {self.wire!r}; choose from {', '.join(WIRES)}")
+        if self.wire != "bf16" and self.vq_levels:
+            raise MaplConfigError(f"--mapl-wire {self.wire} and --mapl-vq-levels: VQ sends indices; use one of them")
+        if self.wire != "bf16" and self.ranks is not None:
+            raise MaplConfigError(f"--mapl-wire {self.wire} needs one wire width for every boundary, not --mapl-ranks")
         if self.anchor_init not in ANCHOR_INITS:
             raise MaplConfigError(
                 f"--mapl-anchor-init: invalid value {self.anchor_init!r}; choose from {', '.join(ANCHOR_INITS)}"
@@ -87,10 +98,12 @@ class MaplConfig:
             if not 0 < r <= hidden_size:
                 raise MaplConfigError(f"--mapl-rank: invalid value {r}; needs 0 < rank <= hidden size {hidden_size}")
             return r
-        r = hidden_size / self.ratio
-        if r != int(r) or r < 1:
+        r = hidden_size * WIRES[self.wire] / self.ratio
+        if r != int(r) or r < 1 or r > hidden_size:
             raise MaplConfigError(
-                f"--mapl-ratio: invalid value {self.ratio:g}; hidden size {hidden_size} / ratio must be a whole number >= 1"
+                f"--mapl-ratio: invalid value {self.ratio:g}; hidden size {hidden_size}"
+                + (f" x {WIRES[self.wire]} (--mapl-wire {self.wire})" if self.wire != "bf16" else "")
+                + " / ratio must be a whole number in [1, hidden size]"
             )
         return int(r)
 
@@ -123,6 +136,13 @@ def add_mapl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--mapl-ranks", default=None, help="one wire width per boundary, in pipeline order, e.g. '64,32,64' (PP=4)"
+    )
+    group.add_argument(
+        "--mapl-wire",
+        choices=tuple(WIRES),
+        default="bf16",
+        help="what z travels as: bf16 = the pipeline dtype; fp8 = TACO's FP8 codec forward and backward "
+        "(Hadamard, a scale byte per 128 values) at twice the rank for the same --mapl-ratio in bytes",
     )
     group.add_argument("--mapl-anchor-rank", type=int, default=64, help="rank k of the token anchors E[t] B (0: none)")
     group.add_argument(
@@ -214,6 +234,7 @@ def mapl_config_from_args(args: argparse.Namespace) -> Optional[MaplConfig]:
         orphans += ["--mapl-fixed-projection"] if args.mapl_fixed_projection else []
         orphans += ["--mapl-position-anchors"] if args.mapl_position_anchors != "auto" else []
         orphans += ["--mapl-anchor-init"] if args.mapl_anchor_init != defaults.anchor_init else []
+        orphans += ["--mapl-wire"] if args.mapl_wire != defaults.wire else []
         if orphans:
             raise MaplConfigError(
                 f"{', '.join(orphans)} given without --mapl-ratio, --mapl-rank or --mapl-ranks (MAPL is off)"
@@ -277,4 +298,5 @@ def mapl_config_from_args(args: argparse.Namespace) -> Optional[MaplConfig]:
         vq_decay=args.mapl_vq_decay,
         vq_sync_rows=args.mapl_vq_sync_rows,
         vq_sync_tolerance=args.mapl_vq_sync_tolerance,
+        wire=args.mapl_wire,
     )

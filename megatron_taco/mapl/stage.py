@@ -6,7 +6,7 @@ One entry point for every way of use (the trainer, the Megatron-LM launcher and 
 - :func:`start_mapl` once all chunks exist, before the optimizer: anchors from the embedding, pair groups,
   settings check; returns the :class:`MaplSync` that runs after the backward and after the optimizer step;
 - :func:`schedule_inputs` for every call of megatron-core's pipeline schedule: the models as the schedule
-  must see them (r-wide P2P) and, with VQ, the index-wire communicator.
+  must see them (r-wide P2P) and, with VQ or the FP8 wire, the communicator that puts it on the wire.
 
 :class:`MaplStage` changes its GPTModel in place: on a stage that receives, the
 r-wide tensor handed over by the schedule (``set_input_tensor``) is rebuilt to
@@ -42,7 +42,7 @@ from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stiefel import StiefelMomentumSGD
 from megatron_taco.mapl.telemetry import MAPL_TELEMETRY, SHAPE_MESSAGE_BYTES
 from megatron_taco.mapl.vq import ResidualVQ, packed_width
-from megatron_taco.mapl.wire import IndexWireCommunicator
+from megatron_taco.mapl.wire import CodecWireCommunicator, IndexWireCommunicator, fp8_wire_codec
 
 __all__ = [
     "CODEC_RANGE",
@@ -129,7 +129,9 @@ class MaplStage:
                 received = self.recv.dequantize(self._received) if self.recv.vq is not None else self._received
                 hidden = self.recv.reconstruct(received, tokens, dtype or self._received.dtype, positions, previous)
             if training and self._received.requires_grad:
-                MAPL_TELEMETRY.watch_backward(self.recv.boundary, self._received, hidden, self.shape_message_bytes)
+                MAPL_TELEMETRY.watch_backward(
+                    self.recv.boundary, self._received, hidden, self.shape_message_bytes, self.recv.wire
+                )
             self._model_set_input_tensor(hidden)
         output = self._model_forward(input_ids, position_ids, attention_mask, **kwargs)
         if self.send is not None:
@@ -140,7 +142,11 @@ class MaplStage:
                     output = self.send.quantize(output, dtype or output.dtype)
             if training:  # with VQ the index wire sends the packed indices in place of the output
                 MAPL_TELEMETRY.record_forward(
-                    self.send.boundary, getattr(output, "mapl_indices", output), activation, self.shape_message_bytes
+                    self.send.boundary,
+                    getattr(output, "mapl_indices", output),
+                    activation,
+                    self.shape_message_bytes,
+                    self.send.wire,
                 )
         return output
 
@@ -462,6 +468,8 @@ def attach_mapl(
     stage = MaplStage(
         model, boundary(position - 1) if position > 0 else None, boundary(position) if position < len(widths) else None
     )
+    for codec in stage.boundaries():  # what the telemetry counts: the FP8 wire's messages (None: the tensors)
+        codec.wire = fp8_wire_codec(codec.rank) if cfg.wire == "fp8" else None
     if not cfg.uniform:  # megatron-core sends each tensor's shape first: counted in the MAPL telemetry
         stage.shape_message_bytes = SHAPE_MESSAGE_BYTES
     return stage
@@ -478,11 +486,17 @@ def start_mapl(stages: List[MaplStage], cfg: MaplConfig) -> "MaplSync":
 
 def schedule_inputs(models: List[torch.nn.Module], cfg: MaplConfig) -> Tuple[List["ScheduleView"], Dict[str, Any]]:
     """The models as megatron-core's pipeline schedule must see them (P2P buffers of the wire width) and the
-    extra schedule arguments (with VQ: the communicator that puts the indices on the forward wire)."""
+    extra schedule arguments (with VQ: the communicator that puts the indices on the forward wire; with
+    ``wire="fp8"``: the one that sends z and dL/dz as FP8 codec messages)."""
     config = models[0].config
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     widths = cfg.wire_ranks(config.hidden_size, pp, config.virtual_pipeline_model_parallel_size)
     views = [ScheduleView(m, max(widths), variable_shapes=not cfg.uniform) for m in models]
+    if cfg.wire == "fp8":
+        communicator = CodecWireCommunicator(
+            parallel_state.get_pipeline_model_parallel_group(), views[0].config, fp8_wire_codec(widths[0])
+        )
+        return views, dict(p2p_communicator=communicator, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
     if not cfg.vq_levels:
         return views, {}
     communicator = IndexWireCommunicator(

@@ -46,8 +46,9 @@ __all__ = [
 SHAPE_MESSAGE_BYTES = 3 * 8  # megatron-core's variable-shape mode: the [s, b, h] shape as int64 before each tensor
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return tensor.numel() * tensor.element_size()
+def _nbytes(tensor: torch.Tensor, codec=None) -> int:
+    """Bytes of ``tensor`` on the wire: as it is, or as one message of ``codec`` (a TacoCodec)."""
+    return tensor.numel() * tensor.element_size() if codec is None else codec.compressed_nbytes(tensor.numel())
 
 
 def format_bytes(nbytes: float) -> str:
@@ -132,26 +133,32 @@ class MaplTelemetry:
     def _record(self, boundary: int) -> BoundaryTraffic:
         return self.records.setdefault(boundary, BoundaryTraffic())
 
-    def record_forward(self, boundary: int, sent: torch.Tensor, activation: torch.Tensor, header: int = 0) -> None:
-        """The stage before ``boundary`` hands ``sent`` to the schedule in place of ``activation``."""
+    def record_forward(
+        self, boundary: int, sent: torch.Tensor, activation: torch.Tensor, header: int = 0, codec=None
+    ) -> None:
+        """The stage before ``boundary`` hands ``sent`` to the schedule in place of ``activation`` (sent as one
+        message of ``codec`` if given)."""
         rec = self._record(boundary)
         rec.forward_messages += 1
-        rec.forward_wire += _nbytes(sent) + header
+        rec.forward_wire += _nbytes(sent, codec) + header
         rec.forward_uncompressed += _nbytes(activation)
 
     def record_sync(self, boundary: int, tensor: Optional[torch.Tensor] = None, nbytes: int = 0) -> None:
         """This rank sent ``tensor`` (or ``nbytes``) to the other replica of ``boundary``."""
         self._record(boundary).sync += nbytes if tensor is None else _nbytes(tensor)
 
-    def watch_backward(self, boundary: int, received: torch.Tensor, activation: torch.Tensor, header: int = 0) -> None:
+    def watch_backward(
+        self, boundary: int, received: torch.Tensor, activation: torch.Tensor, header: int = 0, codec=None
+    ) -> None:
         """The stage after ``boundary`` rebuilt ``activation`` from ``received``: record the gradient of
-        ``received`` (what the schedule sends back) when autograd computes it."""
+        ``received`` (what the schedule sends back, as one message of ``codec`` if given) when autograd
+        computes it."""
         uncompressed = _nbytes(activation)
 
         def hook(grad: torch.Tensor) -> None:
             rec = self._record(boundary)
             rec.backward_messages += 1
-            rec.backward_wire += _nbytes(grad) + header
+            rec.backward_wire += _nbytes(grad, codec) + header
             rec.backward_uncompressed += uncompressed
 
         received.register_hook(hook)
