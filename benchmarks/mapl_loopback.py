@@ -158,7 +158,7 @@ def _parse(variant: str) -> Variant:
     for extra in extras:
         if extra == "subspace":
             fields["mode"] = "subspace"
-        elif extra in WIRE_BITS:
+        elif extra in WIRE_BITS and "wire" not in fields:
             fields["wire"] = extra
         elif extra.startswith("anchors") and extra[7:].isdigit():
             fields["anchor_rank"] = int(extra[7:])

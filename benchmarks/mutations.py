@@ -219,7 +219,7 @@ MUTATIONS = [  # (what, file, text, replaced by, tests, -k) or file None: SCALE_
     (
         "a module without __all__",
         "megatron_taco/mapl/wire.py",
-        '__all__ = ["CodecWireCommunicator", "IndexWireCommunicator", "fp8_wire_codec"]\n',
+        '__all__ = ["CodecWireCommunicator", "IndexWireCommunicator", "describe_compression", "fp8_wire_codec"]\n',
         "",
         "tests/test_style.py",
         "",

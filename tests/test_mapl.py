@@ -522,6 +522,12 @@ def test_invalid_mapl_combinations_with_the_model_are_rejected():
         MaplConfig(ratio=1, wire="fp8").wire_rank(64)
     with pytest.raises(MaplConfigError, match="--mapl-wire fp8: the wire rank 24 must be a multiple of 16"):
         fp8_wire_codec(24)
+    with pytest.raises(MaplConfigError, match="--mapl-wire fp8 with --mapl-ratio: the wire rank 24 .* multiple of 16"):
+        TrainConfig(
+            dataclasses.replace(TINY_GPT, hidden_size=96), pipeline_parallel=2, mapl=MaplConfig(ratio=8, wire="fp8")
+        )
+    with pytest.raises(MaplConfigError, match="--mapl-wire: invalid value 'fp4'"):
+        MaplConfig(ratio=8, wire="fp4")
     rope = dataclasses.replace(TINY_GPT, position_embedding="rope")
     with pytest.raises(MaplConfigError, match="--mapl-position-anchors on: the model's position embedding is 'rope'"):
         TrainConfig(rope, pipeline_parallel=2, mapl=MaplConfig(ratio=4, position_anchors=True))

@@ -224,16 +224,22 @@ def test_mapl_widths_are_checked_against_megatron_lms_interleaved_chunks_at_pars
     from megatron_taco.config.mapl import add_mapl_args
     from megatron_taco.mapl import megatron_lm
 
-    def configure(*flags):
+    def configure(*flags, overlap=False):
         args = add_mapl_args(argparse.ArgumentParser()).parse_args(list(flags))
         megatron = dict(hidden_size=64, num_layers=8, pipeline_model_parallel_size=2, position_embedding_type="rope")
         return megatron_lm.configure(
-            argparse.Namespace(**vars(args), **megatron, num_layers_per_virtual_pipeline_stage=1)
+            argparse.Namespace(
+                **vars(args), **megatron, num_layers_per_virtual_pipeline_stage=1, overlap_p2p_comm=overlap
+            )
         )
 
     try:
         assert configure("--mapl-ranks", "8,8,8,8,8,8,8").ranks == (8,) * 7  # 2 stages x 4 chunks: 7 boundaries
         with pytest.raises(MaplConfigError, match="--mapl-ranks: 1 values given for 7 pipeline boundaries"):
             configure("--mapl-ranks", "8")
+        # the interleaved schedule overlaps its P2P (Megatron-LM's default there): the FP8 wire says so up front
+        assert configure("--mapl-ratio", "8", "--mapl-wire", "fp8").wire_rank(64) == 16
+        with pytest.raises(MaplConfigError, match="add --no-overlap-p2p-communication"):
+            configure("--mapl-ratio", "8", "--mapl-wire", "fp8", overlap=True)
     finally:
         megatron_lm._STATE["cfg"] = None

@@ -84,7 +84,17 @@ class MaplConfig:
         return self.position_anchors is not False and learned and self.anchor_rank > 0
 
     def wire_rank(self, hidden_size: int, boundary: int = 0) -> int:
-        """r of ``boundary`` for a model of hidden size d, checked against it."""
+        """r of ``boundary`` for a model of hidden size d, checked against it (and, with the FP8 wire, against the
+        codec's groups of 16 to 128 values)."""
+        r = self._width(hidden_size, boundary)
+        if self.wire == "fp8" and r % 16:
+            given = "--mapl-rank" if self.rank is not None else "--mapl-ratio"
+            raise MaplConfigError(
+                f"--mapl-wire fp8 with {given}: the wire rank {r} (hidden size {hidden_size}) must be a multiple of 16"
+            )
+        return r
+
+    def _width(self, hidden_size: int, boundary: int) -> int:
         if self.ranks is not None:
             r = self.ranks[boundary]
             if not 0 < r <= hidden_size:
@@ -142,7 +152,8 @@ def add_mapl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         choices=tuple(WIRES),
         default="bf16",
         help="what z travels as: bf16 = the pipeline dtype; fp8 = TACO's FP8 codec forward and backward "
-        "(Hadamard, a scale byte per 128 values) at twice the rank for the same --mapl-ratio in bytes",
+        "(Hadamard, a scale byte per group of up to 128 values; r a multiple of 16) at twice the rank, so "
+        "--mapl-ratio keeps its bytes for a 2-byte pipeline dtype",
     )
     group.add_argument("--mapl-anchor-rank", type=int, default=64, help="rank k of the token anchors E[t] B (0: none)")
     group.add_argument(

@@ -44,6 +44,11 @@ def configure(args: argparse.Namespace) -> Optional[MaplConfig]:
         return None
     cfg.wire_ranks(args.hidden_size, args.pipeline_model_parallel_size, _model_chunks(args))
     cfg.anchors_positions(args.position_embedding_type)
+    if cfg.wire == "fp8" and _model_chunks(args) and getattr(args, "overlap_p2p_comm", False):
+        raise MaplConfigError(  # the interleaved schedule's overlap hands on P2P buffers before they arrive
+            "--mapl-wire fp8 with virtual pipeline stages decodes P2P messages on arrival; "
+            "add --no-overlap-p2p-communication"
+        )
     if getattr(args, "context_parallel_size", 1) > 1:
         raise MaplConfigError(
             f"--mapl-* with --context-parallel-size {args.context_parallel_size}: MAPL's anchors "
@@ -78,8 +83,10 @@ def attach(model: Any) -> Optional[str]:
     from megatron.training import get_args
 
     from megatron_taco.mapl.stage import attach_mapl
+    from megatron_taco.mapl.wire import describe_compression
 
     stage = attach_mapl(model, cfg, seed=get_args().seed)
+    dtype = model.config.pipeline_dtype or model.config.params_dtype
     _STATE["stages"].append(stage)
     parts = []
     for side, codec in (("receives", stage.recv), ("sends", stage.send)):
@@ -87,7 +94,7 @@ def attach(model: Any) -> Optional[str]:
             vq = f", VQ {codec.vq.levels} x {codec.vq.codes} codes" if codec.vq is not None else ""
             parts.append(
                 f"{side} boundary {codec.boundary} at width {codec.rank} of {codec.hidden_size} "
-                f"({codec.hidden_size / codec.rank:g}x{vq})"
+                f"({describe_compression(codec.hidden_size, codec.rank, codec.wire, dtype.itemsize)}{vq})"
             )
     return "; ".join(parts)
 

@@ -484,6 +484,9 @@ def start_mapl(stages: List[MaplStage], cfg: MaplConfig) -> "MaplSync":
     return MaplSync(stages, lr=cfg.lr, momentum=cfg.momentum)
 
 
+_WIRE_COMMUNICATORS: Dict[tuple, CodecWireCommunicator] = {}
+
+
 def schedule_inputs(models: List[torch.nn.Module], cfg: MaplConfig) -> Tuple[List["ScheduleView"], Dict[str, Any]]:
     """The models as megatron-core's pipeline schedule must see them (P2P buffers of the wire width) and the
     extra schedule arguments (with VQ: the communicator that puts the indices on the forward wire; with
@@ -492,10 +495,12 @@ def schedule_inputs(models: List[torch.nn.Module], cfg: MaplConfig) -> Tuple[Lis
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     widths = cfg.wire_ranks(config.hidden_size, pp, config.virtual_pipeline_model_parallel_size)
     views = [ScheduleView(m, max(widths), variable_shapes=not cfg.uniform) for m in models]
-    if cfg.wire == "fp8":
-        communicator = CodecWireCommunicator(
-            parallel_state.get_pipeline_model_parallel_group(), views[0].config, fp8_wire_codec(widths[0])
-        )
+    if cfg.wire == "fp8":  # one per run: its codec caches headers, and it checks the first message's settings
+        group = parallel_state.get_pipeline_model_parallel_group()
+        key = (cfg, id(group), config.pipeline_dtype)
+        if key not in _WIRE_COMMUNICATORS:
+            _WIRE_COMMUNICATORS[key] = CodecWireCommunicator(group, views[0].config, fp8_wire_codec(widths[0]))
+        communicator = _WIRE_COMMUNICATORS[key]
         return views, dict(p2p_communicator=communicator, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
     if not cfg.vq_levels:
         return views, {}

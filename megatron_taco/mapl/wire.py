@@ -37,7 +37,7 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron_taco.codec import TacoCodec
 from megatron_taco.config.errors import MaplConfigError
 
-__all__ = ["CodecWireCommunicator", "IndexWireCommunicator", "fp8_wire_codec"]
+__all__ = ["CodecWireCommunicator", "IndexWireCommunicator", "describe_compression", "fp8_wire_codec"]
 
 
 def fp8_wire_codec(rank: int) -> TacoCodec:
@@ -47,6 +47,15 @@ def fp8_wire_codec(rank: int) -> TacoCodec:
     if group is None:
         raise MaplConfigError(f"--mapl-wire fp8: the wire rank {rank} must be a multiple of 16 (codec groups)")
     return TacoCodec(group, "e4m3", "ash", "e8m0")
+
+
+def describe_compression(hidden_size: int, rank: int, codec: Optional[TacoCodec], element_size: int) -> str:
+    """A boundary's compression in words: d / r, or with a codec wire the bytes of h (``element_size`` bytes per
+    value) over the codec bytes of z per token (codes and scale bytes; the message header aside)."""
+    if codec is None:
+        return f"{hidden_size / rank:g}x"
+    per_token = codec.compressed_nbytes(rank) - codec.compressed_nbytes(0)
+    return f"{element_size * hidden_size / per_token:.2f}x in bytes: z as FP8 codec messages both ways"
 
 
 class CodecWireCommunicator(P2PCommunicator):
@@ -96,9 +105,7 @@ class CodecWireCommunicator(P2PCommunicator):
         self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape, wait_on_reqs=True
     ):
         if not wait_on_reqs:
-            raise MaplConfigError(
-                "--mapl-wire fp8 decodes P2P messages on arrival; turn off --overlap-p2p-communication"
-            )
+            raise MaplConfigError("--mapl-wire fp8 decodes P2P messages on arrival; add --no-overlap-p2p-communication")
         if tensor_shape is not None:
             self._shape = tuple(tensor_shape)
         received, grad, reqs = super()._communicate(

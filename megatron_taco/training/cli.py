@@ -33,7 +33,7 @@ from megatron_taco.config.mapl import add_mapl_args, mapl_config_from_args
 from megatron_taco.mapl import telemetry as mapl_telemetry
 from megatron_taco.mapl.telemetry import MAPL_TELEMETRY
 from megatron_taco.mapl.vq import index_bytes, packed_width
-from megatron_taco.mapl.wire import fp8_wire_codec
+from megatron_taco.mapl.wire import describe_compression, fp8_wire_codec
 from megatron_taco.config.errors import ConfigError, TrainConfigError
 from megatron_taco.codec.taco import describe_backend
 from megatron_taco.config.taco import TacoConfigError, add_taco_args, check_backend_runs_here, taco_config_from_args
@@ -537,15 +537,9 @@ def _vq_wire(args: argparse.Namespace, trainer: Trainer) -> str:
     )
 
 
-def _mapl_ratio(mapl, hidden_size: int, rank: int, trainer: Trainer) -> str:
-    """A boundary's compression: d / r, or with the FP8 wire the bytes of h (pipeline dtype) over the codec
-    bytes of z."""
-    if mapl.wire == "bf16":
-        return f"{hidden_size / rank:g}x"
-    codec = fp8_wire_codec(rank)
-    per_token = codec.compressed_nbytes(rank) - codec.compressed_nbytes(0)  # codes and scale bytes, no header
-    element = torch.empty((), dtype=trainer.config.pipeline_dtype).element_size()
-    return f"{element * hidden_size / per_token:.2f}x in bytes: z as FP8 codec messages both ways"
+def _mapl_compression(mapl, hidden_size: int, rank: int, trainer: Trainer) -> str:
+    codec = fp8_wire_codec(rank) if mapl.wire == "fp8" else None
+    return describe_compression(hidden_size, rank, codec, torch.empty((), dtype=trainer.config.pipeline_dtype).itemsize)
 
 
 def _train(args: argparse.Namespace) -> List[float]:
@@ -575,7 +569,7 @@ def _train(args: argparse.Namespace) -> List[float]:
         _log(
             f"MAPL: {len(widths)} boundar{'y' if len(widths) == 1 else 'ies'}, hidden {cfg.shape.hidden_size} -> "
             f"{widths} "
-            f"({', '.join(_mapl_ratio(args.mapl, cfg.shape.hidden_size, r, trainer) for r in widths)}), "
+            f"({', '.join(_mapl_compression(args.mapl, cfg.shape.hidden_size, r, trainer) for r in widths)}), "
             f"anchor rank {args.mapl.anchor_rank}"
             + (", position anchors" if cfg.mapl_position_anchors else "")
             + (
