@@ -50,7 +50,7 @@ from megatron_taco.mapl.anchor_init import start_anchors_from_embedding
 from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stage import step_projections_with
 from megatron_taco.mapl.stiefel import StiefelMomentumSGD
-from megatron_taco.mapl.wire import fp8_wire_codec
+from megatron_taco.mapl.wire import compression_ratio, wire_codec
 from megatron_taco.testing.distributed import run_distributed
 from megatron_taco.training.model import ModelShape
 
@@ -134,19 +134,18 @@ class Variant:
 
     def wire_codec(self, hidden_size: int):
         """TACO's codec of the z message (None: bf16)."""
-        if self.wire == "bf16":
-            return None
-        if self.wire == "fp8":
-            return fp8_wire_codec(self.rank(hidden_size))
-        return TacoCodec(min(128, self.rank(hidden_size)), "int4", "ash", "e8m0")
+        if self.wire == "int4":
+            return TacoCodec(min(128, self.rank(hidden_size)), "int4", "ash", "e8m0")
+        return wire_codec(self.wire, self.rank(hidden_size))
 
     def wire_ratio(self, hidden_size: int) -> float:
         """bf16 bytes of h over the wire bytes of z, per token (scales included, the message header not)."""
-        codec = self.wire_codec(hidden_size)
-        if codec is None:
-            return hidden_size / self.rank(hidden_size)
-        r = self.rank(hidden_size)
-        return 2 * hidden_size / (codec.compressed_nbytes(r) - codec.compressed_nbytes(0))
+        return compression_ratio(hidden_size, self.rank(hidden_size), self.wire_codec(hidden_size), 2)
+
+    def mapl_config(self, hidden_size: int) -> MaplConfig:
+        """MAPL's settings of this variant (the wire aside: the loopback puts it in itself)."""
+        anchors = {} if self.anchor_rank is None else dict(anchor_rank=self.anchor_rank)
+        return MaplConfig(rank=self.rank(hidden_size), **anchors)
 
 
 def _parse(variant: str) -> Variant:
@@ -178,12 +177,15 @@ class _WireRoundTrip(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z: torch.Tensor, codec) -> torch.Tensor:
         ctx.codec = codec
-        return codec.decompress(codec.compress(z), z.shape, z.dtype, validate=False)
+        return _round_trip(codec, z)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        codec = ctx.codec
-        return codec.decompress(codec.compress(grad), grad.shape, grad.dtype, validate=False), None
+        return _round_trip(ctx.codec, grad), None
+
+
+def _round_trip(codec, x: torch.Tensor) -> torch.Tensor:
+    return codec.decompress(codec.compress(x), x.shape, x.dtype, validate=False)
 
 
 def train_config(shape: ModelShape, seed: int, steps: int, lr: float, warmup: int, micro_batch_size: int = 4,
@@ -230,11 +232,7 @@ def _loopback_trainer(cfg, variant: Variant):
     from megatron_taco.training.loop import Trainer
 
     shape = cfg.shape
-    defaults = None
-    if variant.mode != "none":
-        defaults = MaplConfig(rank=variant.rank(shape.hidden_size))
-        if variant.anchor_rank is not None:
-            defaults = dataclasses.replace(defaults, anchor_rank=variant.anchor_rank)
+    defaults = variant.mapl_config(shape.hidden_size) if variant.mode != "none" else None
     state = {}
     build = loop.build_gpt_model
 
@@ -303,9 +301,7 @@ def train_loopback(
     else:
         mapl = None
         if parsed.mode == "compress":
-            mapl = MaplConfig(rank=parsed.rank(shape.hidden_size), wire=parsed.wire)
-            if parsed.anchor_rank is not None:
-                mapl = dataclasses.replace(mapl, anchor_rank=parsed.anchor_rank)
+            mapl = dataclasses.replace(parsed.mapl_config(shape.hidden_size), wire=parsed.wire)
         trainer = Trainer(dataclasses.replace(cfg, pipeline_parallel=pipeline_parallel, mapl=mapl))
     parameters = _parameters(trainer)
     mbs = cfg.micro_batch_size

@@ -219,7 +219,8 @@ MUTATIONS = [  # (what, file, text, replaced by, tests, -k) or file None: SCALE_
     (
         "a module without __all__",
         "megatron_taco/mapl/wire.py",
-        '__all__ = ["CodecWireCommunicator", "IndexWireCommunicator", "describe_compression", "fp8_wire_codec"]\n',
+        '__all__ = [\n    "CodecWireCommunicator",\n    "IndexWireCommunicator",\n    "compression_ratio",\n'
+        '    "describe_compression",\n    "fp8_wire_codec",\n    "wire_codec",\n]\n',
         "",
         "tests/test_style.py",
         "",

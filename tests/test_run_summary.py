@@ -264,3 +264,30 @@ def test_mapl_vq_summary_of_a_resumed_run_counts_the_indices_sent(tmp_path):
     fwd_full, fwd_wire = _one(rf"^mapl boundary 0 \(stage 0 -> 1\) per step, all ranks: forward {NUM} -> {NUM} ", out)
     assert _close(fwd_full, full) and _close(fwd_wire, index_wire), (fwd_full, fwd_wire)
     _one(r"^mapl total over 1 step, all boundaries and ranks: ", out)
+
+
+def test_mapl_fp8_wire_summary_counts_the_codec_messages():
+    """--mapl-wire fp8 at 4x in bytes on fp32 activations: r = d / 2 values of one byte per token, a power-of-two
+    scale byte per group of them and a 16-byte header per micro-batch message, both ways."""
+    out, _, losses, _ = run_distributed(
+        _trainer, 2, MAPL_PP2 + ["--mapl-wire", "fp8", "--train-iters", "2", "--taco-log-interval", "0"], timeout=300
+    )[0]
+    assert len(losses) == 2
+    rank = D // 2
+    group = next(g for g in (128, 64, 32, 16) if rank % g == 0)
+    per_token = rank + rank // group
+    assert re.search(
+        rf"^MAPL: 1 boundary, hidden {D} -> \[{rank}\] \({FP32 * D / per_token:.2f}x in bytes: z as FP8 codec "
+        r"messages both ways\), ",
+        out,
+        re.M,
+    ), out[:3000]
+    messages = GLOBAL // MICRO  # one per micro-batch and direction
+    wire, full = messages * 16 + TOKENS * per_token, TOKENS * D * FP32
+    fwd_wire, fwd_full, _, bwd_wire, bwd_full, _, _ = _one(
+        rf"^run summary: MAPL boundary 0 \(stage 0 -> 1\) per training step, all ranks: forward {NUM} sent vs {NUM} "
+        rf"uncompressed \(([\d.]+)x\), backward {NUM} sent vs {NUM} uncompressed \(([\d.]+)x\), replica sync {NUM}$",
+        out,
+    )
+    assert _close(fwd_wire, wire) and _close(bwd_wire, wire), (fwd_wire, bwd_wire, wire)
+    assert _close(fwd_full, full) and _close(bwd_full, full)

@@ -42,7 +42,7 @@ from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stiefel import StiefelMomentumSGD
 from megatron_taco.mapl.telemetry import MAPL_TELEMETRY, SHAPE_MESSAGE_BYTES
 from megatron_taco.mapl.vq import ResidualVQ, packed_width
-from megatron_taco.mapl.wire import CodecWireCommunicator, IndexWireCommunicator, fp8_wire_codec
+from megatron_taco.mapl.wire import CodecWireCommunicator, IndexWireCommunicator, fp8_wire_codec, wire_codec
 
 __all__ = [
     "CODEC_RANGE",
@@ -469,7 +469,7 @@ def attach_mapl(
         model, boundary(position - 1) if position > 0 else None, boundary(position) if position < len(widths) else None
     )
     for codec in stage.boundaries():  # what the telemetry counts: the FP8 wire's messages (None: the tensors)
-        codec.wire = fp8_wire_codec(codec.rank) if cfg.wire == "fp8" else None
+        codec.wire = wire_codec(cfg.wire, codec.rank)
     if not cfg.uniform:  # megatron-core sends each tensor's shape first: counted in the MAPL telemetry
         stage.shape_message_bytes = SHAPE_MESSAGE_BYTES
     return stage

@@ -28,6 +28,7 @@ megatron-core's variable-shape mode is answered locally: no extra messages.
 from __future__ import annotations
 
 import copy
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -37,7 +38,14 @@ from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron_taco.codec import TacoCodec
 from megatron_taco.config.errors import MaplConfigError
 
-__all__ = ["CodecWireCommunicator", "IndexWireCommunicator", "describe_compression", "fp8_wire_codec"]
+__all__ = [
+    "CodecWireCommunicator",
+    "IndexWireCommunicator",
+    "compression_ratio",
+    "describe_compression",
+    "fp8_wire_codec",
+    "wire_codec",
+]
 
 
 def fp8_wire_codec(rank: int) -> TacoCodec:
@@ -49,13 +57,23 @@ def fp8_wire_codec(rank: int) -> TacoCodec:
     return TacoCodec(group, "e4m3", "ash", "e8m0")
 
 
-def describe_compression(hidden_size: int, rank: int, codec: Optional[TacoCodec], element_size: int) -> str:
-    """A boundary's compression in words: d / r, or with a codec wire the bytes of h (``element_size`` bytes per
-    value) over the codec bytes of z per token (codes and scale bytes; the message header aside)."""
+def wire_codec(wire: str, rank: int) -> Optional[TacoCodec]:
+    """The codec of ``--mapl-wire`` ``wire`` for a z of ``rank`` values (None: z goes as it is)."""
+    return fp8_wire_codec(rank) if wire == "fp8" else None
+
+
+def compression_ratio(hidden_size: int, rank: int, codec: Optional[TacoCodec], element_size: int) -> float:
+    """d / r, or with a codec wire the bytes of h (``element_size`` bytes per value) over the codec bytes of z per
+    token (codes and scale bytes; the message header aside)."""
     if codec is None:
-        return f"{hidden_size / rank:g}x"
-    per_token = codec.compressed_nbytes(rank) - codec.compressed_nbytes(0)
-    return f"{element_size * hidden_size / per_token:.2f}x in bytes: z as FP8 codec messages both ways"
+        return hidden_size / rank
+    return element_size * hidden_size / (codec.compressed_nbytes(rank) - codec.compressed_nbytes(0))
+
+
+def describe_compression(hidden_size: int, rank: int, codec: Optional[TacoCodec], element_size: int) -> str:
+    """:func:`compression_ratio` in words, for the start-up lines."""
+    ratio = compression_ratio(hidden_size, rank, codec, element_size)
+    return f"{ratio:g}x" if codec is None else f"{ratio:.2f}x in bytes: z as FP8 codec messages both ways"
 
 
 class CodecWireCommunicator(P2PCommunicator):
@@ -73,10 +91,11 @@ class CodecWireCommunicator(P2PCommunicator):
         self._shape: Optional[Tuple[int, ...]] = None
         self._checked = False  # the first message's header is checked on the host: settings agree by name
 
+    def _message_bytes(self) -> int:
+        return self.codec.compressed_nbytes(math.prod(self._shape))
+
     def _wire_shape(self) -> Tuple[int, int, int]:
-        numel = self._shape[0] * self._shape[1] * self._shape[2]
-        element = torch.empty((), dtype=self.dtype).element_size()
-        return 1, 1, -(-self.codec.compressed_nbytes(numel) // element)
+        return 1, 1, -(-self._message_bytes() // self.dtype.itemsize)
 
     def _communicate_shapes(self, tensor_send_next, tensor_send_prev, recv_prev, recv_next):
         if not (recv_prev or recv_next):
@@ -87,16 +106,14 @@ class CodecWireCommunicator(P2PCommunicator):
         if tensor is None:
             return None
         self._shape = tuple(tensor.shape)
-        wire = torch.zeros(self._wire_shape(), dtype=self.dtype, device=tensor.device)
-        message = wire.view(-1).view(torch.uint8)[: self.codec.compressed_nbytes(tensor.numel())]
-        self.codec.compress(tensor.detach(), out=message)
+        wire = torch.empty(self._wire_shape(), dtype=self.dtype, device=tensor.device)  # padding: never decoded
+        self.codec.compress(tensor.detach(), out=wire.view(-1).view(torch.uint8)[: self._message_bytes()])
         return wire
 
     def _decode(self, wire: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         if wire is None:
             return None
-        numel = self._shape[0] * self._shape[1] * self._shape[2]
-        message = wire.detach().view(-1).view(torch.uint8)[: self.codec.compressed_nbytes(numel)]
+        message = wire.detach().view(-1).view(torch.uint8)[: self._message_bytes()]
         decoded = self.codec.decompress(message, self._shape, self.dtype, validate=not self._checked)
         self._checked = True
         return decoded

@@ -33,7 +33,7 @@ from megatron_taco.config.mapl import add_mapl_args, mapl_config_from_args
 from megatron_taco.mapl import telemetry as mapl_telemetry
 from megatron_taco.mapl.telemetry import MAPL_TELEMETRY
 from megatron_taco.mapl.vq import index_bytes, packed_width
-from megatron_taco.mapl.wire import describe_compression, fp8_wire_codec
+from megatron_taco.mapl.wire import describe_compression, wire_codec
 from megatron_taco.config.errors import ConfigError, TrainConfigError
 from megatron_taco.codec.taco import describe_backend
 from megatron_taco.config.taco import TacoConfigError, add_taco_args, check_backend_runs_here, taco_config_from_args
@@ -537,11 +537,6 @@ def _vq_wire(args: argparse.Namespace, trainer: Trainer) -> str:
     )
 
 
-def _mapl_compression(mapl, hidden_size: int, rank: int, trainer: Trainer) -> str:
-    codec = fp8_wire_codec(rank) if mapl.wire == "fp8" else None
-    return describe_compression(hidden_size, rank, codec, torch.empty((), dtype=trainer.config.pipeline_dtype).itemsize)
-
-
 def _train(args: argparse.Namespace) -> List[float]:
     cfg = startup_config(args, _world_size())
     init_distributed()
@@ -566,10 +561,14 @@ def _train(args: argparse.Namespace) -> List[float]:
         )
     if args.mapl is not None:
         widths = cfg.mapl_widths
+        element = trainer.config.pipeline_dtype.itemsize
+        ratios = [
+            describe_compression(cfg.shape.hidden_size, r, wire_codec(args.mapl.wire, r), element) for r in widths
+        ]
         _log(
             f"MAPL: {len(widths)} boundar{'y' if len(widths) == 1 else 'ies'}, hidden {cfg.shape.hidden_size} -> "
             f"{widths} "
-            f"({', '.join(_mapl_compression(args.mapl, cfg.shape.hidden_size, r, trainer) for r in widths)}), "
+            f"({', '.join(ratios)}), "
             f"anchor rank {args.mapl.anchor_rank}"
             + (", position anchors" if cfg.mapl_position_anchors else "")
             + (
