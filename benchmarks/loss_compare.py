@@ -4,12 +4,16 @@ interval of each variant's difference from the baseline.
     # 2 GPUs (NCCL), the headline shape: ~25M parameters, 5 seeds, 1000 steps (resumable across 10-minute calls)
     python -m benchmarks.loss_compare --model gpt-25m --arms "none;fp8-ash;fp4-ash;int4-ash;fp4-ash/fp8-ash" \\
         --seeds 5 --steps 1000 --parallel 10 --json benchmarks/results/loss_compare_gpt.json
+    # 1 GPU: both ranks of every pair on it, over gloo
+    python -m benchmarks.loss_compare --model gpt-25m --arms "none;fp8-ash" --backend gloo --parallel 10 --json ...
     # CPU (gloo, fp32): exploring, not a headline
     python -m benchmarks.loss_compare --model gpt-tiny --steps 200 --seeds 5 --device cpu --parallel 1 \\
         --json benchmarks/results/loss_compare_cpu.json
 
 Every run is TP=2 + SP on 2 ranks (a process pair; ``--parallel`` pairs at a time share the GPUs: that changes how
-fast they go, not what they compute). Arm ``none`` is megatron-core's stock linears; ``MODE[/BWD_MODE][+sr]`` is
+fast they go, not what they compute). ``--backend gloo`` on a machine with one GPU puts both ranks on it (gloo
+carries the CUDA tensors through the host; NCCL refuses two ranks on one device): slower, the same arithmetic
+(a sum of two ranks rounds once, whichever library adds). Arm ``none`` is megatron-core's stock linears; ``MODE[/BWD_MODE][+sr]`` is
 TACO with MODE on the forward traffic, BWD_MODE on the gradients (default MODE) and stochastic rounding of the
 gradients' 4-bit codes with ``+sr``, every message compressed (no link policy: a loss study must compress).
 Seed s sets the initialisation and the order of the training data, the same for every arm; the data is real
@@ -32,6 +36,7 @@ import math
 import os
 import shlex
 import statistics
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -108,6 +113,8 @@ def _run(model: str, arm: str, seed: int, steps: int, micro_batches: int, micro_
          warmup: int, eval_iters: int, dtype: str) -> dict:  # fmt: skip
     """One training run on this process pair: per-step training losses and the final validation loss."""
     shape = MODELS[model]
+    if torch.cuda.is_available():  # rank r on GPU r mod count (with gloo on one GPU: both on it)
+        torch.cuda.set_device(torch.distributed.get_rank() % torch.cuda.device_count())
     cfg = TrainConfig(
         shape,
         tensor_parallel=2,
@@ -125,15 +132,35 @@ def _run(model: str, arm: str, seed: int, steps: int, micro_batches: int, micro_
     )
     train_files, valid_files = stdlib_text_files()
     trainer = Trainer(cfg)
+    if torch.cuda.is_available() and torch.distributed.get_backend() == "gloo":
+        _skip_single_rank_gradient_all_reduce(trainer)
     # megatron-core marks the TP-sharded weights; the rest is replicated on both ranks
     parameters = sum(
         p.numel() * (2 if getattr(p, "tensor_model_parallel", False) else 1) for p in trainer.model.parameters()
     )
     data = byte_text_batches(train_files, shape.seq_length, micro_batch_size, seed=1 + seed)
-    losses = [trainer.train_step(data)["loss"] for _ in range(steps)]
+    start = time.perf_counter()
+    losses = []
+    for step in range(1, steps + 1):
+        losses.append(trainer.train_step(data)["loss"])
+        if step % 250 == 0 and torch.distributed.get_rank() == 0:
+            print(f"  {_key(arm, seed)}: step {step}/{steps}, train loss {losses[-1]:.4f}, "
+                  f"{time.perf_counter() - start:.0f} s", flush=True)  # fmt: skip
+    seconds = time.perf_counter() - start
     valid = trainer.evaluate(byte_text_batches(valid_files, shape.seq_length, micro_batch_size, seed=2), eval_iters)
     trainer.close()
-    return dict(train=losses, valid=valid, parameters=parameters)
+    return dict(train=losses, valid=valid, parameters=parameters, seconds=seconds)
+
+
+def _skip_single_rank_gradient_all_reduce(trainer: Trainer) -> None:
+    """Gloo has no CUDA ``allreduce_coalesced``, which megatron-core's DDP uses for the data-parallel gradient
+    all-reduce. With one data-parallel rank (TP=2 on 2 ranks) that all-reduce sums one tensor, the identity, so
+    leaving it out computes the same numbers; the TP all-reduces of finalize_model_grads stay (plain all_reduce)."""
+    from megatron.core import parallel_state
+
+    assert parallel_state.get_data_parallel_world_size() == 1, "only a single data-parallel rank can skip its sync"
+    for model in trainer.models:
+        model.finish_grad_sync = lambda *args, **kwargs: None
 
 
 def _key(arm: str, seed: int) -> str:
@@ -159,7 +186,7 @@ def report(args, results: dict) -> List[str]:
         f"- Commit: {results.get('commit', project_commit())}; date {results.get('date')}; hardware: {results.get('hardware')}; "
         f"torch {torch.__version__}",
         f"- Model: {args.model} ({_parameter_counts(results)} parameters), {dataclasses.asdict(shape)}",
-        f"- Training: TP=2 + SP, {args.dtype}, {args.steps} steps of {args.micro_batches} x {args.micro_batch_size} "
+        f"- Training: TP=2 + SP over {results.get('backend', args.backend)}, {args.dtype}, {args.steps} steps of {args.micro_batches} x {args.micro_batch_size} "
         f"sequences of {shape.seq_length} byte-level tokens = {tokens:,} tokens seen per run; Adam lr {args.lr:g}, "
         f"{args.warmup} warm-up steps, cosine to lr/10; validation: {args.eval_iters} x {args.micro_batch_size} "
         "held-out sequences (Python stdlib sources). Seed s: initialisation and data order, the same for every arm.",
@@ -217,6 +244,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--eval-iters", type=int, default=50)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    parser.add_argument(
+        "--backend", choices=("nccl", "gloo"), help="default: nccl on GPUs, gloo on CPU; gloo puts 2 ranks on one GPU"
+    )
     parser.add_argument("--parallel", type=int, default=1, help="process pairs at a time")
     parser.add_argument("--goal", action="append", default=[], help="ARM=PERCENT: the upper end it must stay under")
     parser.add_argument("--json", required=True, help="results so far (read to resume, rewritten after every run)")
@@ -224,6 +254,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else __import__("sys").argv[1:]
     args.dtype = "bf16" if args.device == "cuda" else "fp32"
+    args.backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
+    if args.backend == "nccl" and (args.device != "cuda" or torch.cuda.device_count() < 2):
+        parser.error(
+            f"--backend nccl needs 2 GPUs for the pair's ranks ({torch.cuda.device_count()} found, --device "
+            f"{args.device}); --backend gloo runs both on one GPU"
+        )
     arms = args.arms.split(";")
     for arm in arms:
         try:
@@ -241,6 +277,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         if results.get("setup") != _setup(args):
             raise SystemExit(f"{args.json} holds runs of another set-up ({results.get('setup')}); use another --json")
     results.update(setup=_setup(args), date=datetime.date.today().isoformat(), commit=project_commit())
+    results["backend"] = args.backend
     results["hardware"] = (
         f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
         if args.device == "cuda"
@@ -276,7 +313,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                 args.warmup,
                 args.eval_iters,
                 args.dtype,
-                backend="nccl" if args.device == "cuda" else "gloo",
+                backend=args.backend,
                 env=DETERMINISTIC_CUBLAS,
                 timeout=24 * 3600,
             ): (arm, seed)
@@ -284,7 +321,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         }
         for future in as_completed(futures):
             arm, seed = futures[future]
-            results["runs"][_key(arm, seed)] = future.result()[0]
+            try:
+                results["runs"][_key(arm, seed)] = future.result()[0]
+            except Exception as exc:  # the other runs go on; this one is reported and left to a re-run
+                print(f"  {_key(arm, seed)}: FAILED: {exc}", flush=True)
+                continue
             run = results["runs"][_key(arm, seed)]
             print(f"  {_key(arm, seed)}: final train {run['train'][-1]:.4f} valid {run['valid']:.4f}", flush=True)
             save()

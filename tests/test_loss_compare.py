@@ -41,3 +41,29 @@ def test_a_tiny_comparison_trains_every_run_once_and_resumes(tmp_path, capsys):
     longer[longer.index("--steps") + 1] = "3"
     with pytest.raises(SystemExit, match="holds runs of another set-up"):
         loss_compare.main(longer)
+
+
+def _two_steps(skip_sync: bool) -> list:
+    import dataclasses
+
+    from megatron_taco.training.data import byte_text_batches, stdlib_text_files
+    from megatron_taco.training.loop import TrainConfig, Trainer
+
+    cfg = TrainConfig(dataclasses.replace(loss_compare.MODELS["gpt-tiny"], num_layers=2), tensor_parallel=2,
+                      sequence_parallel=True, micro_batch_size=2, num_microbatches=1, dtype="fp32", seed=1234)  # fmt: skip
+    trainer = Trainer(cfg)
+    if skip_sync:
+        loss_compare._skip_single_rank_gradient_all_reduce(trainer)
+    data = byte_text_batches(stdlib_text_files()[0], cfg.shape.seq_length, 2, seed=1)
+    losses = [trainer.train_step(data)["loss"] for _ in range(3)]
+    trainer.close()
+    return losses
+
+
+def test_one_gpu_gloo_leaves_out_only_the_identity_gradient_all_reduce():
+    """``--backend gloo`` on one GPU skips DDP's data-parallel all-reduce (gloo has no CUDA allreduce_coalesced):
+    with one data-parallel rank it is the identity, so the losses are the same, bit for bit (here on CPU)."""
+    from megatron_taco.testing.distributed import run_distributed
+
+    kept, skipped = (run_distributed(_two_steps, 2, skip)[0] for skip in (False, True))
+    assert kept == skipped and kept[0] != kept[-1], (kept, skipped)

@@ -57,8 +57,10 @@ def test_variants_name_their_rank_and_real_ratio_and_bad_names_fail():
     assert (fp8.rank(512), round(fp8.wire_ratio(512), 2)) == (128, 7.94)  # 128 codes + 1 scale byte per token
     int4 = _parse("16x+int4+anchors32")
     assert (int4.rank(512), int4.anchor_rank, round(int4.wire_ratio(512), 2)) == (128, 32, 15.75)
-    for bad in ("8x+fp16", "8x+fp8+fp8", "8x+fp8+int4", "8", "8x+anchors"):
-        with pytest.raises(ValueError, match="expected none, tables, or Rx"):
+    tables = _parse("tables+anchors256")
+    assert (tables.mode, tables.anchor_rank, _parse("tables").anchor_rank) == ("tables", 256, None)
+    for bad in ("8x+fp16", "8x+fp8+fp8", "8x+fp8+int4", "8", "8x+anchors", "tables+fp8", "tables+subspace", "tables+x"):
+        with pytest.raises(ValueError, match=r"expected none, tables \(option \+anchorsK\), or Rx"):
             _parse(bad)
 
 
