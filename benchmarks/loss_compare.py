@@ -12,8 +12,9 @@ interval of each variant's difference from the baseline.
 
 Every run is TP=2 + SP on 2 ranks (a process pair; ``--parallel`` pairs at a time share the GPUs: that changes how
 fast they go, not what they compute). ``--backend gloo`` on a machine with one GPU puts both ranks on it (gloo
-carries the CUDA tensors through the host; NCCL refuses two ranks on one device): slower, the same arithmetic
-(a sum of two ranks rounds once, whichever library adds). Arm ``none`` is megatron-core's stock linears; ``MODE[/BWD_MODE][+sr]`` is
+carries the CUDA tensors through the host; NCCL refuses two ranks on one device): the same arithmetic (a sum of
+two ranks rounds once, whichever library adds), but slow: 1.0-1.3 s per step of gpt-25m with 3 pairs on one H200,
+about 20 minutes per 1000-step run (``results/logs/loss_compare_gloo_one_gpu_2026-12-02.md``). Arm ``none`` is megatron-core's stock linears; ``MODE[/BWD_MODE][+sr]`` is
 TACO with MODE on the forward traffic, BWD_MODE on the gradients (default MODE) and stochastic rounding of the
 gradients' 4-bit codes with ``+sr``, every message compressed (no link policy: a loss study must compress).
 Seed s sets the initialisation and the order of the training data, the same for every arm; the data is real

@@ -326,8 +326,6 @@ def _run(
     variant: str, seed: int, steps: int, lr: float, warmup: int, eval_iters: int, vocab_size: int, pp: int
 ) -> dict:
     """One run of the study on this rank."""
-    if torch.cuda.is_available():  # rank r on GPU r mod count (with gloo on one GPU: both on it)
-        torch.cuda.set_device(torch.distributed.get_rank() % torch.cuda.device_count())
     cfg = train_config(dataclasses.replace(MODEL, vocab_size=vocab_size), seed, steps, lr, warmup)
     label = f"{variant} | seed {seed}"
     return train_loopback(cfg, variant, steps, 1 + seed, eval_iters, label=label, pipeline_parallel=pp)
@@ -407,11 +405,6 @@ def main(argv: Optional[List[str]] = None) -> None:
         choices=(1, 2),
         help="1: the loopback (one process per run); 2: real PP=2 runs (two ranks each: 2 GPUs, or gloo on CPU)",
     )
-    parser.add_argument(
-        "--backend",
-        choices=("nccl", "gloo"),
-        help="PP=2's ranks: default nccl on GPUs, gloo on CPU; gloo puts both on one GPU",
-    )
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time (processes on the one GPU)")
     parser.add_argument("--json", required=True, help="results so far (read to resume, rewritten after every run)")
     args = parser.parse_args(argv)
@@ -440,11 +433,11 @@ def main(argv: Optional[List[str]] = None) -> None:
         if results.get("setup") != setup:
             raise SystemExit(f"{args.json} holds runs of another set-up ({results.get('setup')}); use another --json")
     on_gpu = torch.cuda.is_available()
-    backend = args.backend or ("nccl" if on_gpu else "gloo")
-    if args.pipeline_parallel == 2 and backend == "nccl" and torch.cuda.device_count() < 2:
+    if args.pipeline_parallel == 2 and on_gpu and torch.cuda.device_count() < 2:
+        # (PP=2 over gloo with both ranks on one H200 failed in megatron-core's P2P receive, 2026-12-02)
         parser.error(
-            f"--pipeline-parallel 2 over nccl needs 2 GPUs ({torch.cuda.device_count()} found); --backend gloo runs "
-            "both ranks on one GPU"
+            f"--pipeline-parallel 2 needs 2 GPUs ({torch.cuda.device_count()} found); the loopback "
+            "(--pipeline-parallel 1) computes the same boundary on one"
         )
     results.update(
         setup=setup,
@@ -474,7 +467,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             pool.submit(
                 run_distributed, _run, args.pipeline_parallel, v, s, args.steps, args.lr, args.warmup,
                 args.eval_iters, args.vocab_size, args.pipeline_parallel,
-                backend=backend, timeout=24 * 3600,
+                backend="nccl" if on_gpu else "gloo", timeout=24 * 3600,
             ): (v, s)
             for v, s in todo
         }  # fmt: skip
