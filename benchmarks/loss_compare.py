@@ -4,8 +4,8 @@ interval of each variant's difference from the baseline.
     # 2 GPUs (NCCL), the headline shape: ~25M parameters, 5 seeds, 1000 steps (resumable across 10-minute calls)
     python -m benchmarks.loss_compare --model gpt-25m --arms "none;fp8-ash;fp4-ash;int4-ash;fp4-ash/fp8-ash" \\
         --seeds 5 --steps 1000 --parallel 10 --json benchmarks/results/loss_compare_gpt.json
-    # 1 GPU: both ranks of every pair on it, over gloo
-    python -m benchmarks.loss_compare --model gpt-25m --arms "none;fp8-ash" --backend gloo --parallel 10 --json ...
+    # 1 GPU: each run's two ranks computed in one process (benchmarks/tp_loopback.py)
+    python -m benchmarks.loss_compare --model gpt-25m --arms "none;fp8-ash" --tp-loopback --parallel 10 --json ...
     # CPU (gloo, fp32): exploring, not a headline
     python -m benchmarks.loss_compare --model gpt-tiny --steps 200 --seeds 5 --device cpu --parallel 1 \\
         --json benchmarks/results/loss_compare_cpu.json
@@ -14,7 +14,11 @@ Every run is TP=2 + SP on 2 ranks (a process pair; ``--parallel`` pairs at a tim
 fast they go, not what they compute). ``--backend gloo`` on a machine with one GPU puts both ranks on it (gloo
 carries the CUDA tensors through the host; NCCL refuses two ranks on one device): the same arithmetic (a sum of
 two ranks rounds once, whichever library adds), but slow: 1.0-1.3 s per step of gpt-25m with 3 pairs on one H200,
-about 20 minutes per 1000-step run (``results/logs/loss_compare_gloo_one_gpu_2026-12-02.md``). Arm ``none`` is megatron-core's stock linears; ``MODE[/BWD_MODE][+sr]`` is
+about 20 minutes per 1000-step run (``results/logs/loss_compare_gloo_one_gpu_2026-12-02.md``). ``--tp-loopback``
+computes both ranks in one process instead: a TP=1 model whose linears do TP=2 + SP's arithmetic and send TP=2's
+messages through the codec (``benchmarks/tp_loopback.py``; on CPU it gives a real TP=2 run's gradients to 1e-5),
+as fast as TP=1. Arm ``none`` is megatron-core's stock linears (with ``--tp-loopback``: TP=2's uncompressed
+arithmetic, the partial sums rounded to bf16 before they add); ``MODE[/BWD_MODE][+sr]`` is
 TACO with MODE on the forward traffic, BWD_MODE on the gradients (default MODE) and stochastic rounding of the
 gradients' 4-bit codes with ``+sr``, every message compressed (no link policy: a loss study must compress).
 Seed s sets the initialisation and the order of the training data, the same for every arm; the data is real
@@ -50,6 +54,7 @@ from megatron_taco.training.loop import TrainConfig, Trainer
 from megatron_taco.training.model import QWEN_ARCHITECTURE, ModelShape
 
 from .e2e import DETERMINISTIC_CUBLAS
+from .tp_loopback import simulate_two_ranks
 from .provenance import project_commit
 
 CONFIGS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
@@ -111,15 +116,15 @@ def paired_interval(differences: Sequence[float]) -> Tuple[float, float, float, 
 
 
 def _run(model: str, arm: str, seed: int, steps: int, micro_batches: int, micro_batch_size: int, lr: float,
-         warmup: int, eval_iters: int, dtype: str) -> dict:  # fmt: skip
+         warmup: int, eval_iters: int, dtype: str, loopback: bool = False) -> dict:  # fmt: skip
     """One training run on this process pair: per-step training losses and the final validation loss."""
     shape = MODELS[model]
     if torch.cuda.is_available():  # rank r on GPU r mod count (with gloo on one GPU: both on it)
         torch.cuda.set_device(torch.distributed.get_rank() % torch.cuda.device_count())
     cfg = TrainConfig(
         shape,
-        tensor_parallel=2,
-        sequence_parallel=True,
+        tensor_parallel=1 if loopback else 2,
+        sequence_parallel=not loopback,
         micro_batch_size=micro_batch_size,
         num_microbatches=micro_batches,
         dtype=dtype,
@@ -133,11 +138,14 @@ def _run(model: str, arm: str, seed: int, steps: int, micro_batches: int, micro_
     )
     train_files, valid_files = stdlib_text_files()
     trainer = Trainer(cfg)
-    if torch.cuda.is_available() and torch.distributed.get_backend() == "gloo":
+    if loopback:
+        simulate_two_ranks(trainer.models)
+    elif torch.cuda.is_available() and torch.distributed.get_backend() == "gloo":
         _skip_single_rank_gradient_all_reduce(trainer)
     # megatron-core marks the TP-sharded weights; the rest is replicated on both ranks
     parameters = sum(
-        p.numel() * (2 if getattr(p, "tensor_model_parallel", False) else 1) for p in trainer.model.parameters()
+        p.numel() * (2 if getattr(p, "tensor_model_parallel", False) and not loopback else 1)
+        for p in trainer.model.parameters()
     )
     data = byte_text_batches(train_files, shape.seq_length, micro_batch_size, seed=1 + seed)
     start = time.perf_counter()
@@ -187,7 +195,7 @@ def report(args, results: dict) -> List[str]:
         f"- Commit: {results.get('commit', project_commit())}; date {results.get('date')}; hardware: {results.get('hardware')}; "
         f"torch {torch.__version__}",
         f"- Model: {args.model} ({_parameter_counts(results)} parameters), {dataclasses.asdict(shape)}",
-        f"- Training: TP=2 + SP over {results.get('backend', args.backend)}, {args.dtype}, {args.steps} steps of {args.micro_batches} x {args.micro_batch_size} "
+        f"- Training: TP=2 + SP {_transport(args, results)}, {args.dtype}, {args.steps} steps of {args.micro_batches} x {args.micro_batch_size} "
         f"sequences of {shape.seq_length} byte-level tokens = {tokens:,} tokens seen per run; Adam lr {args.lr:g}, "
         f"{args.warmup} warm-up steps, cosine to lr/10; validation: {args.eval_iters} x {args.micro_batch_size} "
         "held-out sequences (Python stdlib sources). Seed s: initialisation and data order, the same for every arm.",
@@ -248,6 +256,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument(
         "--backend", choices=("nccl", "gloo"), help="default: nccl on GPUs, gloo on CPU; gloo puts 2 ranks on one GPU"
     )
+    parser.add_argument(
+        "--tp-loopback", action="store_true", help="each run's two TP ranks computed in one process (1 GPU)"
+    )
     parser.add_argument("--parallel", type=int, default=1, help="process pairs at a time")
     parser.add_argument("--goal", action="append", default=[], help="ARM=PERCENT: the upper end it must stay under")
     parser.add_argument("--json", required=True, help="results so far (read to resume, rewritten after every run)")
@@ -255,8 +266,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else __import__("sys").argv[1:]
     args.dtype = "bf16" if args.device == "cuda" else "fp32"
+    if args.tp_loopback and args.backend:
+        parser.error("--tp-loopback runs each run in one process: no --backend")
     args.backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
-    if args.backend == "nccl" and (args.device != "cuda" or torch.cuda.device_count() < 2):
+    if args.tp_loopback and any(arm.endswith("+sr") for arm in args.arms.split(";")):
+        parser.error(
+            "--tp-loopback: stochastic rounding (+sr) draws per-rank noise, which the loopback does not simulate"
+        )
+    if not args.tp_loopback and args.backend == "nccl" and (args.device != "cuda" or torch.cuda.device_count() < 2):
         parser.error(
             f"--backend nccl needs 2 GPUs for the pair's ranks ({torch.cuda.device_count()} found, --device "
             f"{args.device}); --backend gloo runs both on one GPU"
@@ -303,7 +320,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             pool.submit(
                 run_distributed,
                 _run,
-                2,
+                1 if args.tp_loopback else 2,
                 args.model,
                 arm,
                 seed,
@@ -314,6 +331,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                 args.warmup,
                 args.eval_iters,
                 args.dtype,
+                args.tp_loopback,
                 backend=args.backend,
                 env=DETERMINISTIC_CUBLAS,
                 timeout=24 * 3600,
@@ -336,7 +354,16 @@ def main(argv: Optional[List[str]] = None) -> None:
 def _setup(args) -> dict:
     """What must match for runs to be compared (the arms and seeds may grow)."""
     keys = ("model", "steps", "micro_batches", "micro_batch_size", "lr", "warmup", "eval_iters", "dtype")
-    return {k: getattr(args, k) for k in keys}
+    setup = {k: getattr(args, k) for k in keys}
+    if args.tp_loopback:  # (files of real TP=2 runs keep their set-up)
+        setup["tp_loopback"] = True
+    return setup
+
+
+def _transport(args, results: dict) -> str:
+    if results.get("setup", {}).get("tp_loopback"):
+        return "computed in one process per run (`--tp-loopback`, benchmarks/tp_loopback.py)"
+    return f"over {results.get('backend', args.backend)}"
 
 
 if __name__ == "__main__":

@@ -67,3 +67,21 @@ def test_one_gpu_gloo_leaves_out_only_the_identity_gradient_all_reduce():
 
     kept, skipped = (run_distributed(_two_steps, 2, skip)[0] for skip in (False, True))
     assert kept == skipped and kept[0] != kept[-1], (kept, skipped)
+
+
+def test_the_tp_loopback_trains_in_one_process_and_keeps_its_own_runs(tmp_path, capsys):
+    path = tmp_path / "loop.json"
+    flags = ["--model", "gpt-tiny", "--arms", "none;fp8-ash", "--seeds", "1", "--steps", "2", "--micro-batches", "1",
+             "--micro-batch-size", "2", "--warmup", "0", "--eval-iters", "1", "--device", "cpu", "--json", str(path),
+             "--tp-loopback"]  # fmt: skip
+    loss_compare.main(flags)
+    results = json.loads(path.read_text())
+    assert results["setup"]["tp_loopback"] and sorted(results["runs"]) == ["fp8-ash | seed 0", "none | seed 0"]
+    assert "computed in one process per run" in (tmp_path / "loop.md").read_text()
+    assert results["runs"]["none | seed 0"]["parameters"] == 236_928  # gpt-tiny's, counted once at TP=1
+    with pytest.raises(SystemExit, match="holds runs of another set-up"):  # never mixed with real TP=2 runs
+        loss_compare.main([f for f in flags if f != "--tp-loopback"])
+    for bad, message in ((["--backend", "gloo"], "no --backend"), (["--arms", "none;fp4-ash+sr"], "stochastic")):
+        with pytest.raises(SystemExit):
+            loss_compare.main(flags + bad)
+        assert message in capsys.readouterr().err
