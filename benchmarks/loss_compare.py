@@ -164,7 +164,8 @@ def _run(model: str, arm: str, seed: int, steps: int, micro_batches: int, micro_
 def _skip_single_rank_gradient_all_reduce(trainer: Trainer) -> None:
     """Gloo has no CUDA ``allreduce_coalesced``, which megatron-core's DDP uses for the data-parallel gradient
     all-reduce. With one data-parallel rank (TP=2 on 2 ranks) that all-reduce sums one tensor, the identity, so
-    leaving it out computes the same numbers; the TP all-reduces of finalize_model_grads stay (plain all_reduce)."""
+    leaving it out computes the same numbers; the TP all-reduces of finalize_model_grads stay (plain all_reduce).
+    DDP's NaN / Inf gradient check runs inside the skipped call: here a non-finite gradient shows in the loss."""
     from megatron.core import parallel_state
 
     assert parallel_state.get_data_parallel_world_size() == 1, "only a single data-parallel rank can skip its sync"
@@ -276,7 +277,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if not args.tp_loopback and args.backend == "nccl" and (args.device != "cuda" or torch.cuda.device_count() < 2):
         parser.error(
             f"--backend nccl needs 2 GPUs for the pair's ranks ({torch.cuda.device_count()} found, --device "
-            f"{args.device}); --backend gloo runs both on one GPU"
+            f"{args.device}); --tp-loopback computes both in one process on one GPU (--backend gloo: two, slowly)"
         )
     arms = args.arms.split(";")
     for arm in arms:
@@ -338,17 +339,23 @@ def main(argv: Optional[List[str]] = None) -> None:
             ): (arm, seed)
             for arm, seed in todo
         }
+        failed = []
         for future in as_completed(futures):
             arm, seed = futures[future]
             try:
-                results["runs"][_key(arm, seed)] = future.result()[0]
+                results["runs"][_key(arm, seed)] = dict(future.result()[0], backend=_transport(args, results))
             except Exception as exc:  # the other runs go on; this one is reported and left to a re-run
                 print(f"  {_key(arm, seed)}: FAILED: {exc}", flush=True)
+                failed.append(_key(arm, seed))
                 continue
             run = results["runs"][_key(arm, seed)]
             print(f"  {_key(arm, seed)}: final train {run['train'][-1]:.4f} valid {run['valid']:.4f}", flush=True)
             save()
     print("\n".join(report(args, results)), flush=True)
+    if failed:
+        raise SystemExit(
+            f"loss_compare: {len(failed)} runs failed ({', '.join(failed)}); the same command retries them"
+        )
 
 
 def _setup(args) -> dict:

@@ -155,8 +155,9 @@ def _parse(variant: str) -> Variant:
     ratio, *extras = variant.split("+")
     fields = dict(mode="compress")
     if ratio == "tables":  # the uncompressed model with the anchor tables: nothing on a wire
+        if any(not e.startswith("anchors") for e in extras):
+            raise ValueError(f"variant {variant!r}: tables takes only +anchorsK (it sends nothing compressed)")
         fields, ratio = dict(mode="tables"), "1x"
-        extras = ["" if e in WIRE_BITS or e == "subspace" else e for e in extras]
     for extra in extras:
         if extra == "subspace":
             fields["mode"] = "subspace"

@@ -16,12 +16,16 @@ row (proj, fc2)        each rank's partial output (its input       all-gather of
 The messages go through the same codec calls as ``megatron_taco.comm`` (``compress`` of a shard and
 ``decompress_rows`` of the gathered messages; ``compress_rows`` of a partial's destination chunks and the fp32
 decode-sum in rank order), so a compressed arm quantizes exactly what TP=2 quantizes. Uncompressed, the partials
-sum in their dtype (one rounding: NCCL's sum of two ranks). Rank r owns the r-th half of the query groups (qkv),
+sum in their dtype (one rounding: NCCL's sum of two ranks). The output layer's two vocabulary halves go the same
+way, uncompressed (TACO does not compress it). Left as TP=1 computes them: the vocabulary-parallel cross entropy's
+fp32 reductions, and the gradients of the parameters SP replicates (norms, row biases), summed over the whole
+sequence at once instead of two halves; in fp32 these differ by about 1e-7. Rank r owns the r-th half of the query groups (qkv),
 of the FFN features (fc1: of the gate and of the up projection when gated) and of the heads / FFN features that
 proj / fc2 read. Each linear's codecs come from ``attach_taco``, so per-layer settings hold. Not simulated:
 stochastic rounding (its noise is per rank), messages past ``chunk_bytes`` (the pipelined pieces) and
 ``--taco-min-bytes auto`` (a link probe): all three refused.
-``tests/test_tp_loopback.py``: on CPU the losses equal a real TP=2 + SP run on gloo from the same weights.
+``tests/test_tp_loopback.py``: on CPU, from the same weights, the first-step gradients are a real TP=2 + SP run's
+on gloo to 3e-5 and the losses of 4 steps to 5e-5; in bf16, each linear's partials round as TP=2's do.
 """
 
 from __future__ import annotations
@@ -30,13 +34,15 @@ from typing import List, Optional, Sequence
 
 import torch
 
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
 from megatron_taco import comm
 from megatron_taco.megatron.attach import _LINEAR_PATHS, unwrap
 from megatron_taco.megatron.taco_linears import LinearCompression
 
 __all__ = ["simulate_two_ranks"]
 
-RANKS = 2
+RANKS = 2  # the simulated TP size (the uncompressed reduce-scatter below adds exactly two partials)
 
 
 def _codec(cfg: Optional[LinearCompression], direction: str, message: torch.Tensor):
@@ -46,7 +52,10 @@ def _codec(cfg: Optional[LinearCompression], direction: str, message: torch.Tens
         return None
     codec = cfg.codec(direction)
     if codec is not None and getattr(getattr(codec, "settings", None), "rounding", "nearest") != "nearest":
-        raise ValueError(f"{cfg.name}: stochastic rounding draws per-rank noise, which the loopback does not simulate")
+        raise ValueError(
+            f"{cfg.name}: stochastic rounding (--taco-stochastic-rounding, arm +sr) draws per-rank noise, which the "
+            "loopback does not simulate"
+        )
     if codec is not None and cfg.min_bytes is None:
         raise ValueError(f"{cfg.name}: --taco-min-bytes auto measures a link; the loopback needs a number")
     if codec is not None and message.is_cuda and 0 < cfg.chunk_bytes < message.numel() * message.element_size():
@@ -133,28 +142,45 @@ def simulate_two_ranks(model_chunks) -> int:
     changed = 0
     for chunk in model_chunks:
         gpt = unwrap(chunk)
-        gated = bool(gpt.config.gated_linear_unit)
-        groups = gpt.config.num_query_groups or gpt.config.num_attention_heads
-        if groups % RANKS or gpt.config.ffn_hidden_size % RANKS or gpt.max_sequence_length % RANKS:
-            raise ValueError(f"TP={RANKS} needs query groups, FFN size and sequence length divisible by {RANKS}")
-        for layer in gpt.decoder.layers:
-            for name, (parent, attr) in _LINEAR_PATHS.items():
-                linear = getattr(getattr(layer, parent), attr)
-                if linear.tp_group is not None and linear.tp_group.size() != 1:
-                    raise ValueError("simulate_two_ranks runs on a TP=1 model (it computes both ranks itself)")
-                if name in ("qkv", "fc1"):
-                    owned = _owned_rows(linear.weight.shape[0], gated and name == "fc1", linear.weight.device)
-                    linear._forward_impl = _column_impl(linear, owned)
-                else:
-                    linear._forward_impl = _row_impl(linear)
-                changed += 1
+        config = gpt.config
+        gated = bool(config.gated_linear_unit)
+        sizes = dict(num_query_groups=config.num_query_groups or config.num_attention_heads,
+                     ffn_hidden_size=config.ffn_hidden_size, seq_length=gpt.max_sequence_length)  # fmt: skip
+        if any(size % RANKS for size in sizes.values()):
+            raise ValueError(f"TP={RANKS} needs each of {sizes} divisible by {RANKS}")
+        if config.hidden_dropout or config.attention_dropout:
+            raise ValueError("the loopback needs dropout 0 (TP ranks draw their own dropout masks)")
+        linears = [(name, getattr(getattr(layer, parent), attr)) for layer in gpt.decoder.layers
+                   for name, (parent, attr) in _LINEAR_PATHS.items()]  # fmt: skip
+        if getattr(gpt, "output_layer", None) is not None:
+            linears.append(("output", gpt.output_layer))
+        for name, linear in linears:
+            if not isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
+                raise TypeError(f"{name}: the loopback runs megatron-core's local linears, not {type(linear).__name__}")
+            if linear.tp_group is not None and linear.tp_group.size() != 1:
+                raise ValueError("simulate_two_ranks runs on a TP=1 model (it computes both ranks itself)")
+            if isinstance(linear, ColumnParallelLinear):
+                owned = _owned_rows(linear.weight.shape[0], gated and name == "fc1", linear.weight.device)
+                linear._forward_impl = _column_impl(linear, owned)
+            else:
+                linear._forward_impl = _row_impl(linear)
+            changed += 1
     return changed
+
+
+def _check_call(input: torch.Tensor, kwargs: dict) -> None:
+    """What the two-rank functions do not reproduce of megatron-core's ``_forward_impl``: refused, not dropped."""
+    if input.shape[0] % RANKS:
+        raise ValueError(f"sequence length {input.shape[0]} is not divisible by the {RANKS} SP shards")
+    if kwargs.get("gradient_accumulation_fusion") or kwargs.get("grad_output_buffer") is not None:
+        raise ValueError("the loopback needs gradient_accumulation_fusion off and no deferred weight gradients")
 
 
 def _column_impl(linear, owned):
     """megatron-core's ``_forward_impl`` signature; the linear's TACO settings read at each call."""
 
     def forward_impl(input, weight, bias, **kwargs):
+        _check_call(input, kwargs)
         return _TwoRankColumn.apply(input, weight, bias, getattr(linear, "taco", None), owned)
 
     return forward_impl
@@ -164,6 +190,8 @@ def _row_impl(linear):
     """As ``_column_impl``; megatron-core adds a row linear's bias after its reduction (never passed here)."""
 
     def forward_impl(input, weight, bias, **kwargs):
+        _check_call(input, kwargs)
+        assert bias is None, "megatron-core adds a row linear's bias after the reduction"
         return _TwoRankRow.apply(input, weight, getattr(linear, "taco", None))
 
     return forward_impl

@@ -59,7 +59,10 @@ def test_variants_name_their_rank_and_real_ratio_and_bad_names_fail():
     assert (int4.rank(512), int4.anchor_rank, round(int4.wire_ratio(512), 2)) == (128, 32, 15.75)
     tables = _parse("tables+anchors256")
     assert (tables.mode, tables.anchor_rank, _parse("tables").anchor_rank) == ("tables", 256, None)
-    for bad in ("8x+fp16", "8x+fp8+fp8", "8x+fp8+int4", "8", "8x+anchors", "tables+fp8", "tables+subspace", "tables+x"):
+    for bad in ("tables+fp8", "tables+subspace"):
+        with pytest.raises(ValueError, match="tables takes only"):
+            _parse(bad)
+    for bad in ("8x+fp16", "8x+fp8+fp8", "8x+fp8+int4", "8", "8x+anchors", "tables+anchors"):
         with pytest.raises(ValueError, match=r"expected none, tables \(option \+anchorsK\), or Rx"):
             _parse(bad)
 

@@ -42,7 +42,7 @@ def _train(trainer):
 
 def _loopback(model: str, arm: str):
     trainer = _trainer(model, arm, 1)
-    assert simulate_two_ranks(trainer.models) == 4 * 2  # qkv, proj, fc1, fc2 of both layers
+    assert simulate_two_ranks(trainer.models) == 4 * 2 + 1  # qkv, proj, fc1, fc2 of both layers; the output layer
     start = {name: p.detach().clone() for name, p in unwrap(trainer.model).named_parameters()}
     return start, *_train(trainer)
 
@@ -73,19 +73,43 @@ def _real(model: str, arm: str, start: dict):
     "model, arm", [("gpt-tiny", "fp8-ash"), ("qwen-tiny", "fp4-ash/fp8-ash"), ("qwen-tiny", "none")]
 )
 def test_the_loopback_computes_the_gradients_and_losses_of_two_ranks(model, arm):
-    """First-step gradients within 1e-5 (observed: 7.3e-6 GPT FP8, where an fp32 summation-order difference can move
-    an FP8 code; 2.8e-7 Qwen FP4 / FP8; 1.3e-7 uncompressed; a column backward sent uncompressed: 2.0e-2) and losses
-    of 4 steps within 2e-5 relative (observed 1.4e-5, GPT FP8; weights nudged by 1e-7 alone move a real run 5.7e-6)."""
+    """First-step gradients within 3e-5 relative (observed: 7.3e-6 GPT FP8, where an fp32 summation-order difference
+    can move an FP8 code, so the bound leaves room for another CPU's order; 2.8e-7 Qwen FP4 / FP8; 1.3e-7
+    uncompressed; a column backward sent uncompressed: 2.0e-2) and losses of 4 steps within 5e-5 (observed 1.4e-5,
+    GPT FP8; weights nudged by 1e-7 alone move a real run by 5.7e-6)."""
     start, looped, looped_grads = run_distributed(_loopback, 1, model, arm)[0]
     ranks = run_distributed(_real, 2, model, arm, start)
     for losses, grads in ranks:
         for name, (grad, shard) in grads.items():
             expected = shard(looped_grads[name])
-            assert (grad - expected).norm() <= 1e-5 * expected.norm(), name  # (rank 1's bytes 128-255: all 0)
+            assert (grad - expected).norm() <= 3e-5 * expected.norm(), name  # (rank 1's bytes 128-255: all 0)
     assert looped[0] != looped[-1]
-    assert looped == pytest.approx(ranks[0][0], rel=2e-5, abs=0)
+    assert looped == pytest.approx(ranks[0][0], rel=5e-5, abs=0)
 
 
 def test_stochastic_rounding_is_refused():
-    with pytest.raises(Exception, match="stochastic rounding draws per-rank noise"):
+    with pytest.raises(
+        Exception, match=r"stochastic rounding \(--taco-stochastic-rounding, arm \+sr\) draws per-rank noise"
+    ):
         run_distributed(_loopback, 1, "gpt-tiny", "fp4-ash+sr")
+
+
+def test_uncompressed_partials_round_to_bf16_before_they_add_as_two_ranks_do():
+    """In bf16 the loopback's uncompressed arm is TP=2's, not TP=1's: each rank's partial product rounds to bf16,
+    then the two add with one more rounding (what NCCL's sum of two ranks gives): the row forward and the column
+    backward."""
+    from benchmarks.tp_loopback import _TwoRankColumn, _TwoRankRow
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 2, 64, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(48, 64, generator=gen) * 0.1).to(torch.bfloat16)
+    halves = [torch.matmul(xr, wr.t()) for xr, wr in zip(x.chunk(2, -1), w.chunk(2, 1))]
+    row = _TwoRankRow.apply(x, w, None)
+    assert torch.equal(row, halves[0] + halves[1]) and not torch.equal(row, torch.matmul(x, w.t()))
+
+    leaf = x.clone().requires_grad_(True)
+    owned = [torch.arange(24), torch.arange(24, 48)]  # rank r computes output features owned[r]
+    grad = torch.randn(8, 2, 48, generator=gen).to(torch.bfloat16)
+    _TwoRankColumn.apply(leaf, w, None, None, owned).backward(grad)
+    partials = [torch.matmul(grad[..., rows], w[rows]) for rows in owned]
+    assert torch.equal(leaf.grad, partials[0] + partials[1]) and not torch.equal(leaf.grad, torch.matmul(grad, w))
