@@ -196,7 +196,7 @@ def report(args, results: dict) -> List[str]:
         f"- Commit: {results.get('commit', project_commit())}; date {results.get('date')}; hardware: {results.get('hardware')}; "
         f"torch {torch.__version__}",
         f"- Model: {args.model} ({_parameter_counts(results)} parameters), {dataclasses.asdict(shape)}",
-        f"- Training: TP=2 + SP {_transport(args, results)}, {args.dtype}, {args.steps} steps of {args.micro_batches} x {args.micro_batch_size} "
+        f"- Training: TP=2 + SP {_transports(args, results)}, {args.dtype}, {args.steps} steps of {args.micro_batches} x {args.micro_batch_size} "
         f"sequences of {shape.seq_length} byte-level tokens = {tokens:,} tokens seen per run; Adam lr {args.lr:g}, "
         f"{args.warmup} warm-up steps, cosine to lr/10; validation: {args.eval_iters} x {args.micro_batch_size} "
         "held-out sequences (Python stdlib sources). Seed s: initialisation and data order, the same for every arm.",
@@ -296,7 +296,6 @@ def main(argv: Optional[List[str]] = None) -> None:
         if results.get("setup") != _setup(args):
             raise SystemExit(f"{args.json} holds runs of another set-up ({results.get('setup')}); use another --json")
     results.update(setup=_setup(args), date=datetime.date.today().isoformat(), commit=project_commit())
-    results["backend"] = args.backend
     results["hardware"] = (
         f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
         if args.device == "cuda"
@@ -343,7 +342,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         for future in as_completed(futures):
             arm, seed = futures[future]
             try:
-                results["runs"][_key(arm, seed)] = dict(future.result()[0], backend=_transport(args, results))
+                results["runs"][_key(arm, seed)] = dict(future.result()[0], backend=_transport(args))
             except Exception as exc:  # the other runs go on; this one is reported and left to a re-run
                 print(f"  {_key(arm, seed)}: FAILED: {exc}", flush=True)
                 failed.append(_key(arm, seed))
@@ -367,10 +366,18 @@ def _setup(args) -> dict:
     return setup
 
 
-def _transport(args, results: dict) -> str:
-    if results.get("setup", {}).get("tp_loopback"):
+def _transport(args) -> str:
+    """How this command's runs connect their two TP ranks (``--tp-loopback`` is part of the set-up)."""
+    if args.tp_loopback:
         return "computed in one process per run (`--tp-loopback`, benchmarks/tp_loopback.py)"
-    return f"over {results.get('backend', args.backend)}"
+    return f"over {args.backend}"
+
+
+def _transports(args, results: dict) -> str:
+    """The transports of the runs so far (a resumed file may hold NCCL and gloo runs: the same arithmetic)."""
+    return " / ".join(sorted({run.get("backend", _transport(args)) for run in results["runs"].values()})) or (
+        _transport(args)
+    )
 
 
 if __name__ == "__main__":

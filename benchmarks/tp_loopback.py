@@ -60,22 +60,25 @@ def _codec(cfg: Optional[LinearCompression], direction: str, message: torch.Tens
         raise ValueError(f"{cfg.name}: --taco-min-bytes auto measures a link; the loopback needs a number")
     if codec is not None and message.is_cuda and 0 < cfg.chunk_bytes < message.numel() * message.element_size():
         raise ValueError(f"{cfg.name}: a message past --taco-chunk-bytes goes in pipelined pieces, not simulated")
-    return codec if comm.compresses(message, codec, comm.CommOptions(cfg.min_bytes or 0, cfg.chunk_bytes)) else None
+    return codec if comm.compresses(message, codec, cfg.options(None, message.device)) else None
 
 
-def _all_gather(shards: Sequence[torch.Tensor], codec) -> torch.Tensor:
-    """What every rank holds after ``comm.all_gather`` of its shard (dim 0), every rank's shard in rank order."""
+def _all_gather(x: torch.Tensor, cfg: Optional[LinearCompression], direction: str) -> torch.Tensor:
+    """What every rank holds after ``comm.all_gather`` of its shard of ``x`` (the RANKS shards of dim 0, in rank
+    order): ``x`` itself when the message goes uncompressed."""
+    shards = x.chunk(RANKS)
+    codec = _codec(cfg, direction, shards[0])
     if codec is None:
-        return torch.cat(list(shards))
+        return x
     messages = torch.stack([codec.compress(shard.contiguous()) for shard in shards])
-    out = torch.empty((sum(s.shape[0] for s in shards), *shards[0].shape[1:]), dtype=shards[0].dtype,
-                      device=shards[0].device)  # fmt: skip
-    codec.decompress_rows(messages, out.view(len(shards), -1), validate=False)
+    out = torch.empty_like(x)
+    codec.decompress_rows(messages, out.view(RANKS, -1), validate=False)
     return out
 
 
-def _reduce_scatter(partials: Sequence[torch.Tensor], codec) -> torch.Tensor:
+def _reduce_scatter(partials: Sequence[torch.Tensor], cfg: Optional[LinearCompression], direction: str):
     """The ranks' ``comm.reduce_scatter`` results of their ``partials``, concatenated in rank order (dim 0)."""
+    codec = _codec(cfg, direction, partials[0])
     if codec is None:
         return partials[0] + partials[1]  # one rounding to the partials' dtype
     world = len(partials)
@@ -94,8 +97,7 @@ class _TwoRankColumn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, cfg: Optional[LinearCompression], owned: List[torch.Tensor]):
-        shards = x.chunk(RANKS)
-        gathered = _all_gather(shards, _codec(cfg, "fwd", shards[0]))
+        gathered = _all_gather(x, cfg, "fwd")
         ctx.save_for_backward(gathered, weight)
         ctx.cfg, ctx.owned, ctx.has_bias = cfg, owned, bias is not None
         out = torch.matmul(gathered, weight.t())
@@ -105,7 +107,7 @@ class _TwoRankColumn(torch.autograd.Function):
     def backward(ctx, grad):
         gathered, weight = ctx.saved_tensors
         partials = [torch.matmul(grad[..., rows], weight[rows]) for rows in ctx.owned]
-        grad_x = _reduce_scatter(partials, _codec(ctx.cfg, "bwd", partials[0]))
+        grad_x = _reduce_scatter(partials, ctx.cfg, "bwd")
         grad_2d, x_2d = grad.reshape(-1, grad.shape[-1]), gathered.reshape(-1, gathered.shape[-1])
         return grad_x, grad_2d.t().matmul(x_2d), grad_2d.sum(0) if ctx.has_bias else None, None, None
 
@@ -118,13 +120,12 @@ class _TwoRankRow(torch.autograd.Function):
         partials = [torch.matmul(xr, wr.t()) for xr, wr in zip(x.chunk(RANKS, -1), weight.chunk(RANKS, 1))]
         ctx.save_for_backward(x, weight)
         ctx.cfg = cfg
-        return _reduce_scatter(partials, _codec(cfg, "fwd", partials[0]))
+        return _reduce_scatter(partials, cfg, "fwd")
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        shards = grad.chunk(RANKS)
-        gathered = _all_gather(shards, _codec(ctx.cfg, "bwd", shards[0]))
+        gathered = _all_gather(grad, ctx.cfg, "bwd")
         grad_2d, x_2d = gathered.reshape(-1, gathered.shape[-1]), x.reshape(-1, x.shape[-1])
         return torch.matmul(gathered, weight), grad_2d.t().matmul(x_2d), None
 
@@ -137,8 +138,8 @@ def _owned_rows(features: int, gated: bool, device) -> List[torch.Tensor]:
 
 
 def simulate_two_ranks(model_chunks) -> int:
-    """Give every layer's qkv / proj / fc1 / fc2 of a built TP=1 model (its TACO settings attached, or none) the
-    two-rank arithmetic of TP=2 + SP. Returns the number of linears changed."""
+    """Give every layer's qkv / proj / fc1 / fc2 and the output layer of a built TP=1 model (its TACO settings
+    attached, or none) the two-rank arithmetic of TP=2 + SP. Returns the number of linears changed."""
     changed = 0
     for chunk in model_chunks:
         gpt = unwrap(chunk)
