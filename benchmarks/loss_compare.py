@@ -270,10 +270,6 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.tp_loopback and args.backend:
         parser.error("--tp-loopback runs each run in one process: no --backend")
     args.backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
-    if args.tp_loopback and any(arm.endswith("+sr") for arm in args.arms.split(";")):
-        parser.error(
-            "--tp-loopback: stochastic rounding (+sr) draws per-rank noise, which the loopback does not simulate"
-        )
     if not args.tp_loopback and args.backend == "nccl" and (args.device != "cuda" or torch.cuda.device_count() < 2):
         parser.error(
             f"--backend nccl needs 2 GPUs for the pair's ranks ({torch.cuda.device_count()} found, --device "

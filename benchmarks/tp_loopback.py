@@ -15,15 +15,15 @@ row (proj, fc2)        each rank's partial output (its input       all-gather of
 
 The messages go through the same codec calls as ``megatron_taco.comm`` (``compress`` of a shard and
 ``decompress_rows`` of the gathered messages; ``compress_rows`` of a partial's destination chunks and the fp32
-decode-sum in rank order), so a compressed arm quantizes exactly what TP=2 quantizes. Uncompressed, the partials
+decode-sum in rank order), so a compressed arm quantizes exactly what TP=2 quantizes; with stochastic rounding each
+simulated rank draws its own noise from its own codec, seeded as on TP=2. Uncompressed, the partials
 sum in their dtype (one rounding: NCCL's sum of two ranks). The output layer's two vocabulary halves go the same
 way, uncompressed (TACO does not compress it). Left as TP=1 computes them: the vocabulary-parallel cross entropy's
 fp32 reductions, and the gradients of the parameters SP replicates (norms, row biases), summed over the whole
 sequence at once instead of two halves; in fp32 these differ by about 1e-7. Rank r owns the r-th half of the query groups (qkv),
 of the FFN features (fc1: of the gate and of the up projection when gated) and of the heads / FFN features that
-proj / fc2 read. Each linear's codecs come from ``attach_taco``, so per-layer settings hold. Not simulated:
-stochastic rounding (its noise is per rank), messages past ``chunk_bytes`` (the pipelined pieces) and
-``--taco-min-bytes auto`` (a link probe): all three refused.
+proj / fc2 read. Each linear's codecs come from ``attach_taco``, so per-layer settings hold. Not simulated: messages
+past ``chunk_bytes`` (the pipelined pieces) and ``--taco-min-bytes auto`` (a link probe): both refused.
 ``tests/test_tp_loopback.py``: on CPU, from the same weights, the first-step gradients are a real TP=2 + SP run's
 on gloo to 3e-5 and the losses of 4 steps to 5e-5; in bf16, each linear's partials round as TP=2's do.
 """
@@ -37,6 +37,7 @@ import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from megatron_taco import comm
+from megatron_taco.codec.taco import TacoCodec
 from megatron_taco.megatron.attach import _LINEAR_PATHS, unwrap
 from megatron_taco.megatron.taco_linears import LinearCompression
 
@@ -45,50 +46,63 @@ __all__ = ["simulate_two_ranks"]
 RANKS = 2  # the simulated TP size (the uncompressed reduce-scatter below adds exactly two partials)
 
 
-def _codec(cfg: Optional[LinearCompression], direction: str, message: torch.Tensor):
-    """The codec TP=2 uses for ``message`` (a collective's input on one rank), or None (uncompressed): as
-    ``comm.compresses`` decides with the linear's fixed ``--taco-min-bytes``."""
+def _codecs(cfg: Optional[LinearCompression], direction: str, message: torch.Tensor) -> Optional[list]:
+    """The codec each rank of TP=2 uses for ``message`` (a collective's input on one rank), or None (uncompressed):
+    as ``comm.compresses`` decides with the linear's fixed ``--taco-min-bytes``. The ranks share one codec, except
+    with stochastic rounding: rank r's codec has seed r * 4096 + serial (``attach_taco``; this process is rank 0), and
+    each rank's count of calls advances once per collective, as on TP=2."""
     if cfg is None:
         return None
     codec = cfg.codec(direction)
-    if codec is not None and getattr(getattr(codec, "settings", None), "rounding", "nearest") != "nearest":
-        raise ValueError(
-            f"{cfg.name}: stochastic rounding (--taco-stochastic-rounding, arm +sr) draws per-rank noise, which the "
-            "loopback does not simulate"
-        )
     if codec is not None and cfg.min_bytes is None:
         raise ValueError(f"{cfg.name}: --taco-min-bytes auto measures a link; the loopback needs a number")
     if codec is not None and message.is_cuda and 0 < cfg.chunk_bytes < message.numel() * message.element_size():
         raise ValueError(f"{cfg.name}: a message past --taco-chunk-bytes goes in pipelined pieces, not simulated")
-    return codec if comm.compresses(message, codec, cfg.options(None, message.device)) else None
+    if not comm.compresses(message, codec, cfg.options(None, message.device)):
+        return None
+    if codec.settings.rounding == "nearest":
+        return [codec] * RANKS
+    if id(codec) not in _RANK_CODECS:
+        _RANK_CODECS[id(codec)] = [codec] + [_seeded_like(codec, codec.seed + 4096 * r) for r in range(1, RANKS)]
+    return _RANK_CODECS[id(codec)]
+
+
+_RANK_CODECS: dict = {}  # id(rank 0's stochastic codec) -> every rank's (kept for the process, like the codecs)
+
+
+def _seeded_like(codec: TacoCodec, seed: int) -> TacoCodec:
+    """``codec``'s settings and backend with another stochastic-rounding seed (another rank's codec)."""
+    s = codec.settings
+    return TacoCodec(group_size=s.group_size, fmt=s.fmt, transform=s.transform, scales=s.scales,
+                     backend=codec.backend, rounding=s.rounding, seed=seed)  # fmt: skip
 
 
 def _all_gather(x: torch.Tensor, cfg: Optional[LinearCompression], direction: str) -> torch.Tensor:
     """What every rank holds after ``comm.all_gather`` of its shard of ``x`` (the RANKS shards of dim 0, in rank
     order): ``x`` itself when the message goes uncompressed."""
     shards = x.chunk(RANKS)
-    codec = _codec(cfg, direction, shards[0])
-    if codec is None:
+    codecs = _codecs(cfg, direction, shards[0])
+    if codecs is None:
         return x
-    messages = torch.stack([codec.compress(shard.contiguous()) for shard in shards])
+    messages = torch.stack([codec.compress(shard.contiguous()) for codec, shard in zip(codecs, shards)])
     out = torch.empty_like(x)
-    codec.decompress_rows(messages, out.view(RANKS, -1), validate=False)
+    codecs[0].decompress_rows(messages, out.view(RANKS, -1), validate=False)
     return out
 
 
 def _reduce_scatter(partials: Sequence[torch.Tensor], cfg: Optional[LinearCompression], direction: str):
     """The ranks' ``comm.reduce_scatter`` results of their ``partials``, concatenated in rank order (dim 0)."""
-    codec = _codec(cfg, direction, partials[0])
-    if codec is None:
+    codecs = _codecs(cfg, direction, partials[0])
+    if codecs is None:
         return partials[0] + partials[1]  # one rounding to the partials' dtype
     world = len(partials)
     rows = partials[0].shape[0] // world
     # rank r's message to rank j: chunk j of its partial (compress_rows of the [world, chunk] view)
-    messages = [codec.compress_rows(p.contiguous().view(world, -1)) for p in partials]
+    messages = [codec.compress_rows(p.contiguous().view(world, -1)) for codec, p in zip(codecs, partials)]
     out = torch.empty_like(partials[0])
     for j in range(world):
         received = torch.stack([m[j] for m in messages])  # what all_to_all_single hands rank j, in rank order
-        codec.decompress_rows(received, out[j * rows : (j + 1) * rows].view(1, -1), validate=False)
+        codecs[j].decompress_rows(received, out[j * rows : (j + 1) * rows].view(1, -1), validate=False)
     return out
 
 

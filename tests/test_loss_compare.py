@@ -81,7 +81,6 @@ def test_the_tp_loopback_trains_in_one_process_and_keeps_its_own_runs(tmp_path, 
     assert results["runs"]["none | seed 0"]["parameters"] == 236_928  # gpt-tiny's, counted once at TP=1
     with pytest.raises(SystemExit, match="holds runs of another set-up"):  # never mixed with real TP=2 runs
         loss_compare.main([f for f in flags if f != "--tp-loopback"])
-    for bad, message in ((["--backend", "gloo"], "no --backend"), (["--arms", "none;fp4-ash+sr"], "stochastic")):
-        with pytest.raises(SystemExit):
-            loss_compare.main(flags + bad)
-        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        loss_compare.main(flags + ["--backend", "gloo"])
+    assert "no --backend" in capsys.readouterr().err
