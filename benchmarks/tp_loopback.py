@@ -38,7 +38,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 
 from megatron_taco import comm
 from megatron_taco.codec.taco import TacoCodec
-from megatron_taco.megatron.attach import _LINEAR_PATHS, unwrap
+from megatron_taco.megatron.attach import _LINEAR_PATHS, SEEDS_PER_RANK, unwrap
 from megatron_taco.megatron.taco_linears import LinearCompression
 
 __all__ = ["simulate_two_ranks"]
@@ -49,8 +49,8 @@ RANKS = 2  # the simulated TP size (the uncompressed reduce-scatter below adds e
 def _codecs(cfg: Optional[LinearCompression], direction: str, message: torch.Tensor) -> Optional[list]:
     """The codec each rank of TP=2 uses for ``message`` (a collective's input on one rank), or None (uncompressed):
     as ``comm.compresses`` decides with the linear's fixed ``--taco-min-bytes``. The ranks share one codec, except
-    with stochastic rounding: rank r's codec has seed r * 4096 + serial (``attach_taco``; this process is rank 0), and
-    each rank's count of calls advances once per collective, as on TP=2."""
+    with stochastic rounding: rank r's codec has seed r * SEEDS_PER_RANK + serial (``attach_taco``; this process is
+    rank 0), and each rank's count of calls advances once per collective, as on TP=2."""
     if cfg is None:
         return None
     codec = cfg.codec(direction)
@@ -63,7 +63,9 @@ def _codecs(cfg: Optional[LinearCompression], direction: str, message: torch.Ten
     if codec.settings.rounding == "nearest":
         return [codec] * RANKS
     if id(codec) not in _RANK_CODECS:
-        _RANK_CODECS[id(codec)] = [codec] + [_seeded_like(codec, codec.seed + 4096 * r) for r in range(1, RANKS)]
+        _RANK_CODECS[id(codec)] = [codec] + [
+            _seeded_like(codec, codec.seed + SEEDS_PER_RANK * r) for r in range(1, RANKS)
+        ]
     return _RANK_CODECS[id(codec)]
 
 

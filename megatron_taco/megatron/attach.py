@@ -81,6 +81,7 @@ def _uncovered(layer: torch.nn.Module) -> Dict[str, str]:
 
 
 _CODEC_SERIAL = itertools.count()  # codecs made by this process, for their stochastic-rounding seeds
+SEEDS_PER_RANK = 4096  # rank r's codecs have seeds r * SEEDS_PER_RANK + serial: each rank draws its own noise
 
 
 def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> Attached:
@@ -106,7 +107,7 @@ def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> 
                     rounding=rounding,
                     # stochastic rounding's noise: each rank and each codec its own (codecs are made in the same
                     # order on every start, so a run started again draws the same)
-                    seed=(dist.get_rank() if dist.is_initialized() else 0) * 4096 + next(_CODEC_SERIAL),
+                    seed=(dist.get_rank() if dist.is_initialized() else 0) * SEEDS_PER_RANK + next(_CODEC_SERIAL),
                 )
             return codecs[key]
 
