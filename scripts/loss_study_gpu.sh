@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# A resumable loss study (benchmarks.loss_compare) inside one time-limited GPU call.
+#   BUDGET_S=540 bash scripts/loss_study_gpu.sh RESULTS_JSON [benchmarks.loss_compare flags]
+# RESULTS_JSON: the study's json in the repository; its runs are kept and only the missing ones train. The
+# updated json and report go to $OUT (the GPU machine's output folder), or back to RESULTS_JSON when $OUT is
+# unset. BUDGET_S (default 540) stops the study in time: the runs that finished are in the json, the same command
+# again trains the rest. megatron-core comes from the wheels in .whl/ when that folder exists (installed into
+# /tmp/site), else from the Python that runs this. Every step line and the versions are logged to $OUT/LOG.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+[ $# -ge 1 ] || { echo "usage: BUDGET_S=540 bash scripts/loss_study_gpu.sh RESULTS_JSON [loss_compare flags]"; exit 2; }
+results=$1
+shift
+out=${OUT:-$(dirname "$results")}
+name=$(basename "$results" .json)
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore OMP_NUM_THREADS=1
+export PROJECT_COMMIT=${PROJECT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+[ "$out/$name.json" -ef "$results" ] || { [ ! -f "$results" ] || cp "$results" "$out/$name.json"; }
+log="$out/$name.log"
+{
+  echo "# $(date -u +%F' '%T) commit $PROJECT_COMMIT: BUDGET_S=${BUDGET_S:-540} bash scripts/loss_study_gpu.sh $results $*"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
+  python3 -c "import torch, triton, megatron.core; print('torch', torch.__version__, 'triton', triton.__version__, 'megatron-core', megatron.core.__version__)"
+} >> "$log" 2>&1
+set +e
+timeout --signal=INT --kill-after=20 "${BUDGET_S:-540}" \
+  python3 -m benchmarks.loss_compare --json "$out/$name.json" "$@" 2>&1 | grep --line-buffered -v Warning | tee -a "$log"
+status=${PIPESTATUS[0]}
+set -e
+echo "# $(date -u +%F' '%T) loss_compare exit $status ($([ "$status" = 124 ] && echo "stopped at BUDGET_S; the json keeps the finished runs" || echo done))" | tee -a "$log"
