@@ -18,7 +18,9 @@ about 20 minutes per 1000-step run (``results/logs/loss_compare_gloo_one_gpu_202
 computes both ranks in one process instead: a TP=1 model whose linears do TP=2 + SP's arithmetic and send TP=2's
 messages through the codec (``benchmarks/tp_loopback.py``; on CPU it gives a real TP=2 run's gradients to 1e-5),
 as fast as TP=1. Arm ``none`` is megatron-core's stock linears (with ``--tp-loopback``: TP=2's uncompressed
-arithmetic, the partial sums rounded to bf16 before they add); ``MODE[/BWD_MODE][+sr]`` is
+arithmetic, the partial sums rounded to bf16 before they add); ``tp1`` (``--tp-loopback`` only) is the control:
+uncompressed with TP=1's arithmetic, so its difference from ``none`` measures how far two equally exact runs drift
+apart (the noise floor a TACO arm's difference must be read against); ``MODE[/BWD_MODE][+sr]`` is
 TACO with MODE on the forward traffic, BWD_MODE on the gradients (default MODE) and stochastic rounding of the
 gradients' 4-bit codes with ``+sr``, every message compressed (no link policy: a loss study must compress).
 Seed s sets the initialisation and the order of the training data, the same for every arm; the data is real
@@ -93,9 +95,16 @@ T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 
 T_975 += (2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
 
+# the control arm: uncompressed, with TP=1's arithmetic under --tp-loopback (each linear's two rank partials summed
+# inside one GEMM in fp32, not rounded to bf16 apiece first): as exact as ``none``, different in the last bits, so
+# its difference from ``none`` is the noise floor of the comparison (how far two equally good runs drift apart)
+CONTROL_ARM = "tp1"
+
+
 def arm_config(arm: str) -> Optional[TacoConfig]:
-    """``none`` -> None (stock linears); ``MODE[/BWD_MODE][+sr]`` -> TACO on every linear and message."""
-    if arm == "none":
+    """``none`` and the control arm -> None (stock linears); ``MODE[/BWD_MODE][+sr]`` -> TACO on every linear
+    and message."""
+    if arm in ("none", CONTROL_ARM):
         return None
     text, stochastic = (arm[: -len("+sr")], True) if arm.endswith("+sr") else (arm, False)
     mode, _, bwd_mode = text.partition("/")
@@ -138,7 +147,7 @@ def _run(model: str, arm: str, seed: int, steps: int, micro_batches: int, micro_
     )
     train_files, valid_files = stdlib_text_files()
     trainer = Trainer(cfg)
-    if loopback:
+    if loopback and arm != CONTROL_ARM:
         simulate_two_ranks(trainer.models)
     elif torch.cuda.is_available() and torch.distributed.get_backend() == "gloo":
         _skip_single_rank_gradient_all_reduce(trainer)
@@ -276,6 +285,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             f"{args.device}); --tp-loopback computes both in one process on one GPU (--backend gloo: two, slowly)"
         )
     arms = args.arms.split(";")
+    if CONTROL_ARM in arms and not args.tp_loopback:
+        parser.error(f"--arms: {CONTROL_ARM!r} (TP=1's arithmetic as a noise-floor control) needs --tp-loopback")
     for arm in arms:
         try:
             arm_config(arm)

@@ -84,3 +84,19 @@ def test_the_tp_loopback_trains_in_one_process_and_keeps_its_own_runs(tmp_path, 
     with pytest.raises(SystemExit):
         loss_compare.main(flags + ["--backend", "gloo"])
     assert "no --backend" in capsys.readouterr().err
+
+
+def test_the_control_arm_is_uncompressed_tp1_arithmetic_and_needs_the_loopback(tmp_path):
+    """``tp1``: the loopback's uncompressed run with TP=1's sums instead of TP=2's; it stays next to ``none`` (fp32
+    here: rounding differences only), far closer than a compressed arm, and is refused without --tp-loopback."""
+    path = tmp_path / "control.json"
+    flags = ["--model", "gpt-tiny", "--arms", "none;tp1;fp8-ash", "--seeds", "1", "--steps", "3", "--micro-batches",
+             "1", "--micro-batch-size", "2", "--warmup", "0", "--eval-iters", "1", "--device", "cpu", "--json",
+             str(path), "--tp-loopback"]  # fmt: skip
+    loss_compare.main(flags)
+    runs = {key.split(" |")[0]: run for key, run in json.loads(path.read_text())["runs"].items()}
+    control = max(abs(a - b) for a, b in zip(runs["tp1"]["train"], runs["none"]["train"]))
+    compressed = max(abs(a - b) for a, b in zip(runs["fp8-ash"]["train"], runs["none"]["train"]))
+    assert 0 < control < 1e-5 and compressed > 100 * control, (control, compressed)  # different, barely
+    with pytest.raises(SystemExit):
+        loss_compare.main([f for f in flags if f != "--tp-loopback"] + ["--json", str(tmp_path / "other.json")])
