@@ -273,6 +273,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--goal", action="append", default=[], help="ARM=PERCENT: the upper end it must stay under")
     parser.add_argument("--json", required=True, help="results so far (read to resume, rewritten after every run)")
     parser.add_argument("--report", help="markdown report (default: --json with .md)")
+    parser.add_argument(
+        "--report-only", action="store_true", help="rewrite the report of --arms from --json; train nothing"
+    )
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else __import__("sys").argv[1:]
     args.dtype = "bf16" if args.device == "cuda" else "fp32"
@@ -302,6 +305,13 @@ def main(argv: Optional[List[str]] = None) -> None:
             results = json.load(f)
         if results.get("setup") != _setup(args):
             raise SystemExit(f"{args.json} holds runs of another set-up ({results.get('setup')}); use another --json")
+    if args.report_only:
+        if not results["runs"]:
+            raise SystemExit(f"--report-only: no runs in {args.json}")
+        with open(report_path, "w") as f:
+            f.write("\n".join(report(args, results)) + "\n")
+        print(f"loss_compare: {report_path} rewritten from {len(results['runs'])} runs in {args.json}")
+        return
     results.update(setup=_setup(args), date=datetime.date.today().isoformat(), commit=project_commit())
     results["hardware"] = (
         f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
