@@ -201,9 +201,9 @@ def report(args, results: dict) -> List[str]:
     lines = [
         f"# Loss comparison: {args.model}, {', '.join(arms)}",
         "",
-        f"- Command: `python -m benchmarks.loss_compare {shlex.join(args.argv)}`",
+        f"- Command: `{results.get('command', _command(args))}`",
         f"- Commit: {results.get('commit', project_commit())}; date {results.get('date')}; hardware: {results.get('hardware')}; "
-        f"torch {torch.__version__}",
+        f"torch {results.get('torch', torch.__version__)}",
         f"- Model: {args.model} ({_parameter_counts(results)} parameters), {dataclasses.asdict(shape)}",
         f"- Training: TP=2 + SP {_transports(args, results)}, {args.dtype}, {args.steps} steps of {args.micro_batches} x {args.micro_batch_size} "
         f"sequences of {shape.seq_length} byte-level tokens = {tokens:,} tokens seen per run; Adam lr {args.lr:g}, "
@@ -313,6 +313,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"loss_compare: {report_path} rewritten from {len(results['runs'])} runs in {args.json}")
         return
     results.update(setup=_setup(args), date=datetime.date.today().isoformat(), commit=project_commit())
+    results.update(command=_command(args), torch=torch.__version__)  # the last training command (not --report-only)
     results["hardware"] = (
         f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
         if args.device == "cuda"
@@ -372,6 +373,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         raise SystemExit(
             f"loss_compare: {len(failed)} runs failed ({', '.join(failed)}); the same command retries them"
         )
+
+
+def _command(args) -> str:
+    return f"python -m benchmarks.loss_compare {shlex.join(args.argv)}"
 
 
 def _setup(args) -> dict:

@@ -39,9 +39,9 @@ def test_a_tiny_comparison_trains_every_run_once_and_resumes(tmp_path, capsys):
     assert "0 runs to train (4 already in" in capsys.readouterr().out
     loss_compare.main(flags[:-2] + ["--report-only", "--arms", "none"])  # one arm's report (no --goal), no training
     assert "rewritten from 4 runs" in capsys.readouterr().out
-    assert (
-        "| none | 2 |" in (tmp_path / "runs.md").read_text() and "fp8-ash |" not in (tmp_path / "runs.md").read_text()
-    )
+    report = (tmp_path / "runs.md").read_text()
+    assert "| none | 2 |" in report and "fp8-ash |" not in report
+    assert "--report-only" not in report and "--steps 2" in report  # the command that trained the runs
     longer = list(flags)
     longer[longer.index("--steps") + 1] = "3"
     with pytest.raises(SystemExit, match="holds runs of another set-up"):
