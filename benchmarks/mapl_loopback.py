@@ -21,7 +21,7 @@ stays in span(U) and the boundary drops nothing; the layers before it work in an
 beside the anchors), ``+fp8`` / ``+int4`` (the same bytes per token spent on a wider z: rank 2d / R in FP8 or
 4d / R in INT4, z and dL/dz through TACO's codec, Hadamard and one power-of-two scale per group of up to 128;
 the scale bytes make the real ratio a little lower, and the report names it; ``+fp8`` is ``--mapl-wire fp8``),
-``+anchorsK`` (anchor rank K).
+``+anchorsK`` (anchor rank K), ``+ulrF`` (U's manifold learning rate F, ``--mapl-lr``).
 Results are resumable (``--json``); the report gives each variant's mean validation
 loss and the paired 95% interval of its difference to the first variant over the seeds.
 
@@ -122,12 +122,14 @@ class Variant:
     layers before the boundary writing through U) or "tables" (uncompressed, MAPL's anchor tables added).
     ``wire``: "bf16" (z as the pipeline dtype), or "fp8" / "int4": z and its gradient through TACO's codec at
     the rank that keeps the bytes per token of ratio R (r = 2d / R for FP8, 4d / R for INT4; the scale bytes
-    make the real ratio a little lower: ``wire_ratio``). ``anchor_rank``: the anchors' k (None: the default)."""
+    make the real ratio a little lower: ``wire_ratio``). ``anchor_rank``: the anchors' k; ``u_lr``: U's manifold
+    learning rate (``--mapl-lr``); None: the defaults."""
 
     mode: str
     ratio: float = 1.0
     wire: str = "bf16"
     anchor_rank: Optional[int] = None
+    u_lr: Optional[float] = None
 
     def rank(self, hidden_size: int) -> int:
         return int(hidden_size * 16 / WIRE_BITS.get(self.wire, 16) / self.ratio)
@@ -144,12 +146,13 @@ class Variant:
 
     def mapl_config(self, hidden_size: int) -> MaplConfig:
         """MAPL's settings of this variant (the wire aside: the loopback puts it in itself)."""
-        anchors = {} if self.anchor_rank is None else dict(anchor_rank=self.anchor_rank)
-        return MaplConfig(rank=self.rank(hidden_size), **anchors)
+        given = dict(anchor_rank=self.anchor_rank, lr=self.u_lr)
+        return MaplConfig(rank=self.rank(hidden_size), **{k: v for k, v in given.items() if v is not None})
 
 
 def _parse(variant: str) -> Variant:
-    """'none', 'tables' (option '+anchorsK'), 'Rx' or 'Rx' with options '+subspace', '+fp8' / '+int4', '+anchorsK'."""
+    """'none', 'tables' (option '+anchorsK'), 'Rx' or 'Rx' with options '+subspace', '+fp8' / '+int4', '+anchorsK',
+    '+ulrF' (U's learning rate F)."""
     if variant == "none":
         return Variant(variant)
     ratio, *extras = variant.split("+")
@@ -165,14 +168,23 @@ def _parse(variant: str) -> Variant:
             fields["wire"] = extra
         elif extra.startswith("anchors") and extra[7:].isdigit():
             fields["anchor_rank"] = int(extra[7:])
+        elif extra.startswith("ulr") and _positive_float(extra[3:]):
+            fields["u_lr"] = float(extra[3:])
         else:
             ratio = ""
     if not ratio.endswith("x") or len(extras) != len(set(extras)):
         raise ValueError(
             f"variant {variant!r}: expected none, tables (option +anchorsK), or Rx with options +subspace, +fp8 or "
-            "+int4, +anchorsK"
+            "+int4, +anchorsK, +ulrF"
         )
     return Variant(ratio=float(ratio[:-1]), **fields)
+
+
+def _positive_float(text: str) -> bool:
+    try:
+        return float(text) > 0
+    except ValueError:
+        return False
 
 
 class _WireRoundTrip(torch.autograd.Function):
@@ -269,6 +281,8 @@ def _loopback_trainer(cfg, variant: Variant):
         trainer = Trainer(cfg)
     finally:
         loop.build_gpt_model = build
+    if state:
+        trainer.loopback_boundary = state["boundary"].codec
     if state and variant.mode != "tables":  # U clipped and stepped with the optimizer, as in PP=2 (follow_steps)
         codec = state["boundary"].codec
         manifold = StiefelMomentumSGD(
@@ -309,6 +323,9 @@ def train_loopback(
             mapl = dataclasses.replace(parsed.mapl_config(shape.hidden_size), wire=parsed.wire)
         trainer = Trainer(dataclasses.replace(cfg, pipeline_parallel=pipeline_parallel, mapl=mapl))
     parameters = _parameters(trainer)
+    codec = getattr(trainer, "loopback_boundary", None)
+    learned = codec is not None and parsed.mode != "tables"
+    start = codec.projection.detach().clone() if learned else None
     mbs = cfg.micro_batch_size
     data = text_batches("train", shape, mbs, seed=data_seed)
     losses, grad_norms = [], []
@@ -320,7 +337,17 @@ def train_loopback(
         grad_norms.append(result["grad_norm"])
     valid = trainer.evaluate(text_batches("valid", shape, mbs, seed=2), eval_iters)
     trainer.close()
-    return dict(train=losses, valid=valid, parameters=parameters, grad_norms=grad_norms)
+    run = dict(train=losses, valid=valid, parameters=parameters, grad_norms=grad_norms)
+    if learned:
+        run["u_moved"] = subspace_distance(start, codec.projection.detach())
+    return run
+
+
+def subspace_distance(u: torch.Tensor, v: torch.Tensor) -> float:
+    """How far span(V) is from span(U) (both d x r, orthonormal columns): sqrt(1 - ||U^T V||_F^2 / r), the RMS
+    sine of their principal angles (0: the same subspace, 1: orthogonal)."""
+    overlap = torch.linalg.matrix_norm(u.double().T @ v.double()) ** 2 / u.shape[1]
+    return float(torch.sqrt(torch.clamp(1 - overlap, min=0)))
 
 
 def _run(
@@ -359,8 +386,9 @@ def report(args, results: dict) -> List[str]:
         if args.pipeline_parallel == 1
         else "- Real PP=2: megatron-core's pipeline schedule, MAPL's r-wide P2P and MaplSync across the pair.",
         "",
-        f"| variant | parameters | seeds | validation loss, mean (sd) | vs {base}: mean difference | 95% interval |",
-        "|---|---|---|---|---|---|",
+        f"| variant | parameters | seeds | validation loss, mean (sd) | vs {base}: mean difference | 95% interval "
+        "| U moved from its start |",
+        "|---|---|---|---|---|---|---|",
     ]
     for variant in variants:
         seeds = sorted(int(k.split("seed ")[1]) for k in runs if k.startswith(f"{variant} | "))
@@ -382,9 +410,18 @@ def report(args, results: dict) -> List[str]:
         label = variant
         if parsed.mode != "none" and parsed.mode != "tables":
             label += f" (r {parsed.rank(MODEL.hidden_size)}, {parsed.wire_ratio(MODEL.hidden_size):.2f}x)"
+        moved = [runs[f"{variant} | seed {s}"].get("u_moved") for s in seeds]
+        moved_cell = "-" if None in moved else f"{statistics.mean(moved):.3f}"
         lines.append(
-            f"| {label} | {count:,} | {len(seeds)} | {statistics.mean(valid):.4f} ({sd}) | {cells[0]} | {cells[1]} |"
+            f"| {label} | {count:,} | {len(seeds)} | {statistics.mean(valid):.4f} ({sd}) | {cells[0]} | {cells[1]} "
+            f"| {moved_cell} |"
         )
+    if any("u_moved" in run for run in runs.values()):
+        lines += [
+            "",
+            "U moved: the RMS sine of the principal angles between U at the end and at the start (0: the "
+            "same subspace, 1: orthogonal), mean over seeds; - where the runs did not record it.",
+        ]
     return lines
 
 
@@ -418,7 +455,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         if args.pipeline_parallel == 2 and (parsed.mode not in ("none", "compress") or parsed.wire == "int4"):
             parser.error(
                 f"--variants: {variant!r} is a loopback variant; at --pipeline-parallel 2 use none or Rx, with "
-                "+fp8 (--mapl-wire fp8) or +anchorsK"
+                "+fp8 (--mapl-wire fp8), +anchorsK or +ulrF"
             )
     if args.vocab_size < 256 or args.vocab_size > 65536:
         parser.error(f"--vocab-size {args.vocab_size}: expected 256 (bytes) or a BPE size up to 65536")

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from benchmarks.loss_compare import MODELS
-from benchmarks.mapl_loopback import _parse, _WireRoundTrip, train_config, train_loopback
+from benchmarks.mapl_loopback import _parse, _WireRoundTrip, subspace_distance, train_config, train_loopback
+from megatron_taco.mapl.stiefel import random_stiefel
 from megatron_taco.testing.distributed import run_distributed
 
 SHAPE = MODELS["gpt-tiny"]  # 4 layers, hidden 64, learned positions (position anchors on)
@@ -62,7 +63,12 @@ def test_variants_name_their_rank_and_real_ratio_and_bad_names_fail():
     for bad in ("tables+fp8", "tables+subspace"):
         with pytest.raises(ValueError, match="tables takes only"):
             _parse(bad)
-    for bad in ("8x+fp16", "8x+fp8+fp8", "8x+fp8+int4", "8", "8x+anchors", "tables+anchors"):
+    fast_u = _parse("8x+fp8+ulr0.03")
+    assert (fast_u.mapl_config(512).lr, fp8.mapl_config(512).lr) == (0.03, 0.01)  # 0.01: --mapl-lr's default
+    for bad in ("tables+ulr0.03",):
+        with pytest.raises(ValueError, match="tables takes only"):
+            _parse(bad)
+    for bad in ("8x+fp16", "8x+fp8+fp8", "8x+fp8+int4", "8", "8x+anchors", "tables+anchors", "8x+ulr0", "8x+ulrx"):
         with pytest.raises(ValueError, match=r"expected none, tables \(option \+anchorsK\), or Rx"):
             _parse(bad)
 
@@ -93,3 +99,28 @@ def test_a_compressed_wire_trains_near_the_bf16_wire_of_the_same_rank():
     first = [runs[v]["train"][0] for v in ("4x", "8x+fp8")]
     assert first[0] != first[1] and abs(first[0] - first[1]) < 1e-2 * first[0], first
     assert abs(runs["4x"]["valid"] - runs["8x+fp8"]["valid"]) < 2e-2 * runs["4x"]["valid"], runs
+
+
+def test_u_learning_rate_of_a_variant_reaches_the_manifold_step():
+    """``+ulrF`` sets U's learning rate: a faster U trains to other losses (the first step's forward is before
+    any U update, so it is the same)."""
+    runs = {
+        v: run_distributed(train_loopback, 1, _config(), v, STEPS, DATA_SEED, EVAL_ITERS, timeout=600)[0]
+        for v in ("8x", "8x+ulr0.01", "8x+ulr5")
+    }
+    assert runs["8x+ulr0.01"] == runs["8x"]  # --mapl-lr's default, bit for bit
+    assert runs["8x"]["train"][0] == runs["8x+ulr5"]["train"][0]
+    # the steps are clipped hard here (clip 0.05): 7.3e-5 observed
+    assert abs(runs["8x"]["valid"] - runs["8x+ulr5"]["valid"]) > 1e-5, runs
+    assert 0 < runs["8x"]["u_moved"] < runs["8x+ulr5"]["u_moved"] < 1, runs  # and U moved further
+
+
+def test_subspace_distance_is_the_rms_sine_of_the_principal_angles():
+    generator = torch.Generator().manual_seed(0)
+    u = random_stiefel(16, 4, generator)
+    rotated = u @ torch.linalg.qr(torch.randn(4, 4, generator=generator))[0]  # another basis of the same span
+    assert subspace_distance(u, rotated) < 1e-3
+    basis = torch.eye(16)
+    half = torch.cat([basis[:, :2], basis[:, 4:6]], dim=1)  # shares 2 of 4 directions with basis[:, :4]
+    assert abs(subspace_distance(basis[:, :4], half) - 0.5**0.5) < 1e-6
+    assert abs(subspace_distance(basis[:, :4], basis[:, 4:8]) - 1) < 1e-6
