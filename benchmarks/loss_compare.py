@@ -24,7 +24,11 @@ apart (the noise floor a TACO arm's difference must be read against); ``MODE[/BW
 TACO with MODE on the forward traffic, BWD_MODE on the gradients (default MODE) and stochastic rounding of the
 gradients' 4-bit codes with ``+sr``, every message compressed (no link policy: a loss study must compress).
 Seed s sets the initialisation and the order of the training data, the same for every arm; the data is real
-text (the Python standard library's sources, byte-level), validation on held-out files.
+text (the Python standard library's sources, byte-level, or with ``--vocab-size V`` a BPE vocabulary of V tokens
+trained on the training split), validation on held-out files. Byte-level gpt-25m at 1000 steps ends in the steep
+part of its curve, where two equally exact runs end up to 8% apart (the ``tp1`` control,
+``results/logs/loss_compare_gpt25m_reading_2026-12-03.md``); BPE text trains smoothly (the MAPL studies' seeds
+spread 0.3%).
 
 Statistics: for each seed, the variant's final validation loss relative to the baseline's of the same seed, in
 percent; their mean, sample standard deviation and the t-distribution's 95% interval of the mean (paired by seed).
@@ -38,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import json
 import math
 import os
@@ -51,7 +56,7 @@ import yaml
 
 from megatron_taco.config.taco import LinearSettings, TacoConfig
 from megatron_taco.testing.distributed import run_distributed
-from megatron_taco.training.data import byte_text_batches, stdlib_text_files
+from megatron_taco.training.data import stdlib_text_batches
 from megatron_taco.training.loop import TrainConfig, Trainer
 from megatron_taco.training.model import QWEN_ARCHITECTURE, ModelShape
 
@@ -68,7 +73,7 @@ def _config_shape(name: str, **changes) -> ModelShape:
         return dataclasses.replace(ModelShape.from_dict(yaml.safe_load(f)["model"]), **changes)
 
 
-# byte-level text: vocabulary 256 for every shape
+# byte-level text: vocabulary 256 for every shape (--vocab-size replaces it)
 MODELS: Dict[str, ModelShape] = {
     # ~25M parameters (8 x 12 x 512^2 = 25.2M in the layers): 5 seeds per arm fit the GPU budget
     "gpt-25m": ModelShape(
@@ -125,9 +130,9 @@ def paired_interval(differences: Sequence[float]) -> Tuple[float, float, float, 
 
 
 def _run(model: str, arm: str, seed: int, steps: int, micro_batches: int, micro_batch_size: int, lr: float,
-         warmup: int, eval_iters: int, dtype: str, loopback: bool = False) -> dict:  # fmt: skip
+         warmup: int, eval_iters: int, dtype: str, loopback: bool = False, vocab_size: int = 256) -> dict:  # fmt: skip
     """One training run on this process pair: per-step training losses and the final validation loss."""
-    shape = MODELS[model]
+    shape = dataclasses.replace(MODELS[model], vocab_size=vocab_size)
     if torch.cuda.is_available():  # rank r on GPU r mod count (with gloo on one GPU: both on it)
         torch.cuda.set_device(torch.distributed.get_rank() % torch.cuda.device_count())
     cfg = TrainConfig(
@@ -145,7 +150,6 @@ def _run(model: str, arm: str, seed: int, steps: int, micro_batches: int, micro_
         seed=1234 + seed,
         taco=arm_config(arm),
     )
-    train_files, valid_files = stdlib_text_files()
     trainer = Trainer(cfg)
     if loopback and arm != CONTROL_ARM:
         simulate_two_ranks(trainer.models)
@@ -156,7 +160,7 @@ def _run(model: str, arm: str, seed: int, steps: int, micro_batches: int, micro_
         p.numel() * (2 if getattr(p, "tensor_model_parallel", False) and not loopback else 1)
         for p in trainer.model.parameters()
     )
-    data = byte_text_batches(train_files, shape.seq_length, micro_batch_size, seed=1 + seed)
+    data = stdlib_text_batches("train", vocab_size, shape.seq_length, micro_batch_size, seed=1 + seed)
     start = time.perf_counter()
     losses = []
     for step in range(1, steps + 1):
@@ -165,7 +169,9 @@ def _run(model: str, arm: str, seed: int, steps: int, micro_batches: int, micro_
             print(f"  {_key(arm, seed)}: step {step}/{steps}, train loss {losses[-1]:.4f}, "
                   f"{time.perf_counter() - start:.0f} s", flush=True)  # fmt: skip
     seconds = time.perf_counter() - start
-    valid = trainer.evaluate(byte_text_batches(valid_files, shape.seq_length, micro_batch_size, seed=2), eval_iters)
+    valid = trainer.evaluate(
+        stdlib_text_batches("valid", vocab_size, shape.seq_length, micro_batch_size, seed=2), eval_iters
+    )
     trainer.close()
     return dict(train=losses, valid=valid, parameters=parameters, seconds=seconds)
 
@@ -196,7 +202,7 @@ def report(args, results: dict) -> List[str]:
     """The markdown report of what ``results`` holds so far."""
     arms = args.arms.split(";")
     base = arms[0]
-    shape = MODELS[args.model]
+    shape = dataclasses.replace(MODELS[args.model], vocab_size=args.vocab_size)
     tokens = args.steps * args.micro_batches * args.micro_batch_size * shape.seq_length
     lines = [
         f"# Loss comparison: {args.model}, {', '.join(arms)}",
@@ -206,7 +212,7 @@ def report(args, results: dict) -> List[str]:
         f"torch {results.get('torch', torch.__version__)}",
         f"- Model: {args.model} ({_parameter_counts(results)} parameters), {dataclasses.asdict(shape)}",
         f"- Training: TP=2 + SP {_transports(args, results)}, {args.dtype}, {args.steps} steps of {args.micro_batches} x {args.micro_batch_size} "
-        f"sequences of {shape.seq_length} byte-level tokens = {tokens:,} tokens seen per run; Adam lr {args.lr:g}, "
+        f"sequences of {shape.seq_length} {_token_words(args.vocab_size)} = {tokens:,} tokens seen per run; Adam lr {args.lr:g}, "
         f"{args.warmup} warm-up steps, cosine to lr/10; validation: {args.eval_iters} x {args.micro_batch_size} "
         "held-out sequences (Python stdlib sources). Seed s: initialisation and data order, the same for every arm.",
         f"- Difference: 100 x (validation loss / the `{base}` run's of the same seed - 1), per seed; then mean, sample "
@@ -262,6 +268,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--warmup", type=int, default=50)
     parser.add_argument("--eval-iters", type=int, default=50)
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=256,
+        help="256: byte-level text; larger: a BPE vocabulary of that size trained on the training split (tokenizers)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
     parser.add_argument(
         "--backend", choices=("nccl", "gloo"), help="default: nccl on GPUs, gloo on CPU; gloo puts 2 ranks on one GPU"
@@ -279,6 +291,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else __import__("sys").argv[1:]
     args.dtype = "bf16" if args.device == "cuda" else "fp32"
+    if args.vocab_size != 256 and not 256 < args.vocab_size <= 65536:
+        parser.error(f"--vocab-size {args.vocab_size}: expected 256 (bytes) or a BPE vocabulary of 257-65536 tokens")
+    if args.vocab_size != 256 and importlib.util.find_spec("tokenizers") is None:
+        parser.error(
+            f"--vocab-size {args.vocab_size}: a BPE vocabulary needs the tokenizers package (pip install tokenizers)"
+        )
     if args.tp_loopback and args.backend:
         parser.error("--tp-loopback runs each run in one process: no --backend")
     args.backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
@@ -350,6 +368,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                 args.eval_iters,
                 args.dtype,
                 args.tp_loopback,
+                args.vocab_size,
                 backend=args.backend,
                 env=DETERMINISTIC_CUBLAS,
                 timeout=24 * 3600,
@@ -375,6 +394,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         )
 
 
+def _token_words(vocab_size: int) -> str:
+    if vocab_size == 256:
+        return "byte-level tokens"
+    return f"tokens of a BPE vocabulary of {vocab_size} (tokenizers, trained on the training split)"
+
+
 def _command(args) -> str:
     return f"python -m benchmarks.loss_compare {shlex.join(args.argv)}"
 
@@ -385,6 +410,8 @@ def _setup(args) -> dict:
     setup = {k: getattr(args, k) for k in keys}
     if args.tp_loopback:  # (files of real TP=2 runs keep their set-up)
         setup["tp_loopback"] = True
+    if args.vocab_size != 256:  # (files of byte-level runs keep their set-up)
+        setup["vocab_size"] = args.vocab_size
     return setup
 
 

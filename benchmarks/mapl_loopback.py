@@ -52,6 +52,7 @@ from megatron_taco.mapl.stage import step_projections_with
 from megatron_taco.mapl.stiefel import StiefelMomentumSGD
 from megatron_taco.mapl.wire import compression_ratio, wire_codec
 from megatron_taco.testing.distributed import run_distributed
+from megatron_taco.training.data import stdlib_text_batches
 from megatron_taco.training.model import ModelShape
 
 from .loss_compare import paired_interval
@@ -226,21 +227,8 @@ def train_config(shape: ModelShape, seed: int, steps: int, lr: float, warmup: in
 
 
 def text_batches(split: str, shape: ModelShape, micro_batch_size: int, seed: int):
-    """Batches of the stdlib text's ``split`` ('train' or 'valid'): byte-level when the model's vocabulary
-    is 256, else through a BPE vocabulary of that size trained on the training split."""
-    from megatron_taco.training.data import (
-        bpe_text_batches,
-        byte_text_batches,
-        stdlib_text_files,
-        train_bpe_vocabulary,
-    )
-
-    train_files, valid_files = stdlib_text_files()
-    files = train_files if split == "train" else valid_files
-    if shape.vocab_size == 256:
-        return byte_text_batches(files, shape.seq_length, micro_batch_size, seed=seed)
-    vocabulary = train_bpe_vocabulary(train_files, shape.vocab_size)
-    return bpe_text_batches(files, vocabulary, shape.seq_length, micro_batch_size, seed=seed)
+    """Batches of the stdlib text's ``split`` in the model's vocabulary (256: bytes, else BPE)."""
+    return stdlib_text_batches(split, shape.vocab_size, shape.seq_length, micro_batch_size, seed)
 
 
 def _loopback_trainer(cfg, variant: Variant):

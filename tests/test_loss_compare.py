@@ -105,3 +105,26 @@ def test_the_control_arm_is_uncompressed_tp1_arithmetic_and_needs_the_loopback(t
     assert 0 < control < 1e-5 and compressed > 100 * control, (control, compressed)  # different, barely
     with pytest.raises(SystemExit):
         loss_compare.main([f for f in flags if f != "--tp-loopback"] + ["--json", str(tmp_path / "other.json")])
+
+
+def test_a_bpe_vocabulary_replaces_the_bytes_and_is_part_of_the_set_up(tmp_path, capsys, monkeypatch):
+    """``--vocab-size V``: the runs train on BPE tokens (the model's vocabulary is V: more embedding parameters);
+    the json's set-up names V, so byte-level runs and BPE runs never mix; a bad V is one line naming the flag."""
+    pytest.importorskip("tokenizers", reason="the dev extra installs tokenizers")
+    monkeypatch.setenv("MEGATRON_TACO_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "bpe.json"
+    flags = ["--model", "gpt-tiny", "--arms", "none", "--seeds", "1", "--steps", "2", "--micro-batches", "1",
+             "--micro-batch-size", "2", "--warmup", "0", "--eval-iters", "1", "--device", "cpu", "--json", str(path),
+             "--tp-loopback"]  # fmt: skip
+    loss_compare.main(flags + ["--vocab-size", "300"])
+    results = json.loads(path.read_text())
+    assert results["setup"]["vocab_size"] == 300
+    # gpt-tiny (hidden 64, untied output layer): 300 padded to 384 (megatron's multiple of 128), 128 more rows
+    # in the embedding and in the output layer
+    assert results["runs"]["none | seed 0"]["parameters"] == 236_928 + 2 * 128 * 64
+    assert "BPE vocabulary of 300" in (tmp_path / "bpe.md").read_text()
+    with pytest.raises(SystemExit, match="holds runs of another set-up"):
+        loss_compare.main(flags)  # the same json, byte-level
+    with pytest.raises(SystemExit):
+        loss_compare.main(flags + ["--vocab-size", "100"])
+    assert "--vocab-size 100: expected 256 (bytes) or a BPE vocabulary of 257-65536 tokens" in capsys.readouterr().err

@@ -19,6 +19,7 @@ __all__ = [
     "byte_text_batches",
     "train_bpe_vocabulary",
     "bpe_text_batches",
+    "stdlib_text_batches",
     "indexed_dataset_batches",
 ]
 
@@ -171,6 +172,19 @@ def bpe_text_batches(
         name = "tokens-" + hashlib.sha1(f.read()).hexdigest()[:16]
     prefix = build_token_dataset(files, _cache_path(files, name), encode)
     return indexed_dataset_batches(prefix, seq_length, micro_batch_size, seed, data_parallel_rank)
+
+
+def stdlib_text_batches(
+    split: str, vocab_size: int, seq_length: int, micro_batch_size: int, seed: int
+) -> Iterator[Dict[str, torch.Tensor]]:
+    """Batches of the stdlib text's ``split`` ('train' or 'valid'): byte-level when ``vocab_size`` is 256, else
+    through a BPE vocabulary of that size trained on the training split."""
+    train_files, valid_files = stdlib_text_files()
+    files = train_files if split == "train" else valid_files
+    if vocab_size == 256:
+        return byte_text_batches(files, seq_length, micro_batch_size, seed=seed)
+    vocabulary = train_bpe_vocabulary(train_files, vocab_size)
+    return bpe_text_batches(files, vocabulary, seq_length, micro_batch_size, seed=seed)
 
 
 def indexed_dataset_batches(
