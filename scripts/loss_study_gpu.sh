@@ -6,6 +6,8 @@
 # unset. BUDGET_S (default 540) stops the study in time: the runs that finished are in the json, the same command
 # again trains the rest. megatron-core comes from the wheels in .whl/ when that folder exists (installed into
 # /tmp/site), else from the Python that runs this. Every step line and the versions are logged to $OUT/LOG.
+# It writes 3 files to $OUT (json, md, log); the device tool brings back at most 8, so a call holds at most two
+# studies and 2 more files (a third study's or extra files are left there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 1 ] || { echo "usage: BUDGET_S=540 bash scripts/loss_study_gpu.sh RESULTS_JSON [loss_compare flags]"; exit 2; }
