@@ -128,3 +128,32 @@ def test_a_bpe_vocabulary_replaces_the_bytes_and_is_part_of_the_set_up(tmp_path,
     with pytest.raises(SystemExit):
         loss_compare.main(flags + ["--vocab-size", "100"])
     assert "--vocab-size 100: expected 256 (bytes) or a BPE vocabulary of 257-65536 tokens" in capsys.readouterr().err
+
+
+def test_a_goal_inside_the_controls_spread_reads_not_shown(tmp_path):
+    """The report reads each goal against the control: an arm whose interval straddles its goal while the control's
+    own interval reaches past it is 'not shown' (the set-up cannot tell), not 'missed'; an interval wholly above
+    the goal is missed; without a control the straddling arm is missed."""
+    valid = {  # validation losses per seed: the control and fp8-ash wander around none by a few percent
+        "none": [1.00, 1.00, 1.00],
+        "tp1": [1.03, 0.99, 1.05],
+        "fp8-ash": [1.02, 0.995, 1.03],
+        "int4-ash": [1.10, 1.11, 1.12],
+    }
+    path = tmp_path / "made.json"
+    setup = {"model": "gpt-tiny", "steps": 2, "micro_batches": 1, "micro_batch_size": 2, "lr": 6e-4, "warmup": 50,
+             "eval_iters": 50, "dtype": "fp32", "tp_loopback": True}  # fmt: skip
+    runs = {f"{arm} | seed {s}": {"train": [2.0], "valid": v, "parameters": 1} for arm, vs in valid.items()
+            for s, v in enumerate(vs)}  # fmt: skip
+    path.write_text(json.dumps({"setup": setup, "runs": runs}))
+    flags = ["--model", "gpt-tiny", "--seeds", "3", "--steps", "2", "--micro-batches", "1", "--micro-batch-size", "2",
+             "--device", "cpu", "--json", str(path), "--tp-loopback", "--report-only", "--goal", "fp8-ash=0.25",
+             "--goal", "int4-ash=0.5"]  # fmt: skip
+    loss_compare.main(flags + ["--arms", "none;fp8-ash;int4-ash;tp1"])
+    report = (tmp_path / "made.md").read_text()
+    assert "| +0.25%: not shown (the control reaches +" in report
+    assert "| +0.5%: missed |" in report
+    assert "Noise floor: the control `tp1`" in report
+    loss_compare.main(flags + ["--arms", "none;fp8-ash;int4-ash"])  # no control: nothing to read it against
+    report = (tmp_path / "made.md").read_text()
+    assert "| +0.25%: missed |" in report and "Noise floor" not in report
