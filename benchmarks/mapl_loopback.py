@@ -4,8 +4,9 @@
         --parallel 8 --json benchmarks/results/mapl_loopback.json
 
 The model is the PP=2 study's (``mapl_quality.py``: GPT 8 layers, hidden 512, stdlib text; ``--vocab-size 8192``
-swaps its 256 bytes for a BPE vocabulary trained on the training split with ``tokenizers``) built with
-PP=1; after layer 4 (where PP=2 puts its boundary) the hidden states go through MAPL's own
+swaps its 256 bytes for a BPE vocabulary trained on the training split with ``tokenizers``; ``--model gpt-125m``
+takes configs/gpt-125m.yaml's 12 layers of 768 instead) built with PP=1; after half the layers (where PP=2 puts
+its boundary) the hidden states go through MAPL's own
 ``BoundaryCodec`` and back: h -> z = (h - a(t)) U (bf16, the wire) -> z U^T + a(t). One codec serves both
 ends, so autograd sums the two ends' gradients of U and of the anchors, which is what PP=2 does across its
 pair of replicas (``MaplSync.finalize_grads``); U takes the same manifold step, clipped with the other
@@ -55,11 +56,14 @@ from megatron_taco.testing.distributed import run_distributed
 from megatron_taco.training.data import stdlib_text_batches
 from megatron_taco.training.model import ModelShape
 
-from .loss_compare import paired_interval
+from .loss_compare import _config_shape, paired_interval
 from .mapl_quality import MODEL
 from .provenance import project_commit
 
-BOUNDARY_LAYER = MODEL.num_layers // 2  # PP=2's boundary: after this many layers
+# the study's models (--model), each with its boundary after half its layers (PP=2's); the same text and
+# tokens per step (4 x 4 sequences of 512): "gpt-125m" is configs/gpt-125m.yaml's layers (12 x 768, 12 heads, FFN
+# 3072, tied embeddings), the MAPL issue's confirmation shape
+MODELS = {"gpt-25m": MODEL, "gpt-125m": _config_shape("gpt-125m", seq_length=MODEL.seq_length, vocab_size=256)}
 
 
 class LoopbackBoundary(torch.nn.Module):
@@ -339,10 +343,11 @@ def subspace_distance(u: torch.Tensor, v: torch.Tensor) -> float:
 
 
 def _run(
-    variant: str, seed: int, steps: int, lr: float, warmup: int, eval_iters: int, vocab_size: int, pp: int
-) -> dict:
+    variant: str, seed: int, steps: int, lr: float, warmup: int, eval_iters: int, vocab_size: int, pp: int,
+    model: str = "gpt-25m",
+) -> dict:  # fmt: skip
     """One run of the study on this rank."""
-    cfg = train_config(dataclasses.replace(MODEL, vocab_size=vocab_size), seed, steps, lr, warmup)
+    cfg = train_config(dataclasses.replace(MODELS[model], vocab_size=vocab_size), seed, steps, lr, warmup)
     label = f"{variant} | seed {seed}"
     return train_loopback(cfg, variant, steps, 1 + seed, eval_iters, label=label, pipeline_parallel=pp)
 
@@ -357,6 +362,7 @@ def report(args, results: dict) -> List[str]:
     runs = results["runs"]
     variants = args.variants.split(";")
     base = variants[0]
+    shape = MODELS[args.model]
     lines = [
         "# MAPL boundary quality in one process (PP=1 loopback, one GPU)"
         if args.pipeline_parallel == 1
@@ -364,8 +370,9 @@ def report(args, results: dict) -> List[str]:
         "",
         f"- Command: `python -m benchmarks.mapl_loopback {' '.join(args.argv)}`",
         f"- Commit: {results.get('commit')}; date: {results.get('date')}; hardware: {results.get('hardware')}",
-        f"- Model: GPT {MODEL.num_layers} layers, hidden {MODEL.hidden_size}, FFN {MODEL.ffn_hidden_size}, seq "
-        f"{MODEL.seq_length}, {_vocabulary_words(args.vocab_size)}, bf16; MAPL boundary after layer {BOUNDARY_LAYER} (PP=2's); "
+        f"- Model: {args.model}, GPT {shape.num_layers} layers, hidden {shape.hidden_size}, FFN {shape.ffn_hidden_size}, "
+        f"seq {shape.seq_length}, {_vocabulary_words(args.vocab_size)}, bf16; MAPL boundary after layer "
+        f"{shape.num_layers // 2} (PP=2's); "
         f"{args.steps} steps of 4 x 4 sequences, Adam lr {args.lr} with {args.warmup} warm-up steps and cosine "
         f"decay to {args.lr / 10:g}; Python stdlib text, validation on held-out files ({args.eval_iters} batches).",
         "- Seeds: seed s sets the initialisation (1234 + s) and the data order (1 + s); the same seeds on every "
@@ -397,7 +404,7 @@ def report(args, results: dict) -> List[str]:
         parsed = _parse(variant)
         label = variant
         if parsed.mode != "none" and parsed.mode != "tables":
-            label += f" (r {parsed.rank(MODEL.hidden_size)}, {parsed.wire_ratio(MODEL.hidden_size):.2f}x)"
+            label += f" (r {parsed.rank(shape.hidden_size)}, {parsed.wire_ratio(shape.hidden_size):.2f}x)"
         moved = [runs[f"{variant} | seed {s}"].get("u_moved") for s in seeds]
         moved_cell = "-" if None in moved else f"{statistics.mean(moved):.3f}"
         lines.append(
@@ -431,6 +438,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         choices=(1, 2),
         help="1: the loopback (one process per run); 2: real PP=2 runs (two ranks each: 2 GPUs, or gloo on CPU)",
     )
+    parser.add_argument(
+        "--model", default="gpt-25m", choices=sorted(MODELS), help="gpt-25m: 8 x 512; gpt-125m: 12 x 768 (confirmation)"
+    )
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time (processes on the one GPU)")
     parser.add_argument("--json", required=True, help="results so far (read to resume, rewritten after every run)")
     args = parser.parse_args(argv)
@@ -452,6 +462,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         setup["vocab_size"] = args.vocab_size
     if args.pipeline_parallel != 1:
         setup["pipeline_parallel"] = args.pipeline_parallel
+    if args.model != "gpt-25m":  # (files of the first model's runs keep their set-up)
+        setup["model"] = args.model
     results = {"runs": {}}
     if os.path.exists(args.json):
         with open(args.json) as f:
@@ -483,7 +495,7 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     if args.vocab_size != 256:  # trained and tokenized once here, read from the cache by every run
         for split in ("train", "valid"):
-            text_batches(split, dataclasses.replace(MODEL, vocab_size=args.vocab_size), 1, seed=0)
+            text_batches(split, dataclasses.replace(MODELS[args.model], vocab_size=args.vocab_size), 1, seed=0)
     todo = [
         (v, s) for s in range(args.seeds) for v in args.variants.split(";") if f"{v} | seed {s}" not in results["runs"]
     ]
@@ -492,7 +504,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         futures = {
             pool.submit(
                 run_distributed, _run, args.pipeline_parallel, v, s, args.steps, args.lr, args.warmup,
-                args.eval_iters, args.vocab_size, args.pipeline_parallel,
+                args.eval_iters, args.vocab_size, args.pipeline_parallel, args.model,
                 backend="nccl" if on_gpu else "gloo", timeout=24 * 3600,
             ): (v, s)
             for v, s in todo

@@ -124,3 +124,27 @@ def test_subspace_distance_is_the_rms_sine_of_the_principal_angles():
     half = torch.cat([basis[:, :2], basis[:, 4:6]], dim=1)  # shares 2 of 4 directions with basis[:, :4]
     assert abs(subspace_distance(basis[:, :4], half) - 0.5**0.5) < 1e-6
     assert abs(subspace_distance(basis[:, :4], basis[:, 4:8]) - 1) < 1e-6
+
+
+def test_the_confirmation_model_is_gpt_125m_layers_and_never_mixes_with_the_first(tmp_path):
+    """``--model gpt-125m``: configs/gpt-125m.yaml's 12 layers of 768 on the study's text and tokens per step; its
+    set-up names the model, so a json of the first model's runs refuses it before anything trains. (Trained on CPU
+    once, 1 step, none and 8x: 85,645,824 and 85,744,128 parameters, rank 96; about 4 minutes, too slow for here.)"""
+    import json
+
+    from benchmarks.mapl_loopback import MODELS, main
+
+    shape = MODELS["gpt-125m"]
+    assert (shape.num_layers, shape.hidden_size, shape.num_attention_heads, shape.ffn_hidden_size) == (
+        12,
+        768,
+        12,
+        3072,
+    )
+    assert shape.seq_length == MODELS["gpt-25m"].seq_length == 512 and shape.tie_embeddings
+    assert (_parse("8x").rank(768), _parse("8x+fp8").rank(768)) == (96, 192)
+    path = tmp_path / "first.json"
+    path.write_text(json.dumps({"setup": {"steps": 2, "lr": 1e-3, "warmup": 100, "eval_iters": 20}, "runs": {}}))
+    flags = ["--variants", "none", "--seeds", "1", "--steps", "2", "--json", str(path)]
+    with pytest.raises(SystemExit, match="holds runs of another set-up"):
+        main(flags + ["--model", "gpt-125m"])
