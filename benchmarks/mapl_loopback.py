@@ -236,7 +236,8 @@ def text_batches(split: str, shape: ModelShape, micro_batch_size: int, seed: int
 
 
 def _loopback_trainer(cfg, variant: Variant):
-    """A PP=1 Trainer of ``cfg`` with ``variant``'s boundary after half the layers."""
+    """(trainer, codec): a PP=1 Trainer of ``cfg`` with ``variant``'s boundary after half the layers, and that
+    boundary's codec (None for ``none``)."""
     from megatron_taco.training import loop
     from megatron_taco.training.loop import Trainer
 
@@ -273,15 +274,13 @@ def _loopback_trainer(cfg, variant: Variant):
         trainer = Trainer(cfg)
     finally:
         loop.build_gpt_model = build
-    if state:
-        trainer.loopback_boundary = state["boundary"].codec
-    if state and variant.mode != "tables":  # U clipped and stepped with the optimizer, as in PP=2 (follow_steps)
-        codec = state["boundary"].codec
+    codec = state["boundary"].codec if state else None
+    if codec is not None and variant.mode != "tables":  # U clipped and stepped with the optimizer, as in PP=2
         manifold = StiefelMomentumSGD(
             [codec.projection], lr=defaults.lr, momentum=defaults.momentum, buffers=[codec.projection_momentum]
         )
         step_projections_with(trainer.optimizer, manifold, [codec], cfg.lr)
-    return trainer
+    return trainer, codec
 
 
 def _parameters(trainer) -> int:
@@ -307,15 +306,15 @@ def train_loopback(
 
     parsed = _parse(variant)
     shape = cfg.shape
+    codec = None  # the loopback's boundary (at PP=2 MAPL's own stages hold it)
     if pipeline_parallel == 1:
-        trainer = _loopback_trainer(cfg, parsed)
+        trainer, codec = _loopback_trainer(cfg, parsed)
     else:
         mapl = None
         if parsed.mode == "compress":
             mapl = dataclasses.replace(parsed.mapl_config(shape.hidden_size), wire=parsed.wire)
         trainer = Trainer(dataclasses.replace(cfg, pipeline_parallel=pipeline_parallel, mapl=mapl))
     parameters = _parameters(trainer)
-    codec = getattr(trainer, "loopback_boundary", None)
     learned = codec is not None and parsed.mode != "tables"
     start = codec.projection.detach().clone() if learned else None
     mbs = cfg.micro_batch_size
