@@ -58,7 +58,7 @@ import yaml
 
 from megatron_taco.config.taco import LinearSettings, TacoConfig
 from megatron_taco.testing.distributed import run_distributed
-from megatron_taco.training.data import stdlib_text_batches
+from megatron_taco.training.data import cache_stdlib_text, stdlib_text_batches
 from megatron_taco.training.loop import TrainConfig, Trainer
 from megatron_taco.training.model import QWEN_ARCHITECTURE, ModelShape
 
@@ -383,10 +383,8 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.device == "cuda":  # CUDA is initialised here (the GPU's name), so ranks start fresh, not forked
         os.environ.setdefault("TACO_TEST_START_METHOD", "spawn")
     todo = [(arm, seed) for seed in range(args.seeds) for arm in arms if _key(arm, seed) not in results["runs"]]
-    # the BPE vocabulary and token datasets: built once here, then every run reads them from the cache
     if todo and args.vocab_size != 256:
-        for split in ("train", "valid"):
-            stdlib_text_batches(split, args.vocab_size, MODELS[args.model].seq_length, 1, seed=0)
+        cache_stdlib_text(args.vocab_size)
     print(f"loss_compare: {len(todo)} runs to train ({len(results['runs'])} already in {args.json})", flush=True)
     save()
     from concurrent.futures import ThreadPoolExecutor, as_completed

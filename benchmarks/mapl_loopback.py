@@ -53,7 +53,7 @@ from megatron_taco.mapl.stage import step_projections_with
 from megatron_taco.mapl.stiefel import StiefelMomentumSGD
 from megatron_taco.mapl.wire import compression_ratio, wire_codec
 from megatron_taco.testing.distributed import run_distributed
-from megatron_taco.training.data import stdlib_text_batches
+from megatron_taco.training.data import cache_stdlib_text, stdlib_text_batches
 from megatron_taco.training.model import ModelShape
 
 from .loss_compare import _config_shape, paired_interval
@@ -230,11 +230,6 @@ def train_config(shape: ModelShape, seed: int, steps: int, lr: float, warmup: in
     )
 
 
-def text_batches(split: str, shape: ModelShape, micro_batch_size: int, seed: int):
-    """Batches of the stdlib text's ``split`` in the model's vocabulary (256: bytes, else BPE)."""
-    return stdlib_text_batches(split, shape.vocab_size, shape.seq_length, micro_batch_size, seed)
-
-
 def _loopback_trainer(cfg, variant: Variant):
     """(trainer, codec): a PP=1 Trainer of ``cfg`` with ``variant``'s boundary after half the layers, and that
     boundary's codec (None for ``none``)."""
@@ -318,7 +313,7 @@ def train_loopback(
     learned = codec is not None and parsed.mode != "tables"
     start = codec.projection.detach().clone() if learned else None
     mbs = cfg.micro_batch_size
-    data = text_batches("train", shape, mbs, seed=data_seed)
+    data = stdlib_text_batches("train", shape.vocab_size, shape.seq_length, mbs, seed=data_seed)
     losses, grad_norms = [], []
     for step in range(1, steps + 1):
         if step % 250 == 0 and torch.distributed.get_rank() == 0:
@@ -326,7 +321,7 @@ def train_loopback(
         result = trainer.train_step(data)
         losses.append(result["loss"])
         grad_norms.append(result["grad_norm"])
-    valid = trainer.evaluate(text_batches("valid", shape, mbs, seed=2), eval_iters)
+    valid = trainer.evaluate(stdlib_text_batches("valid", shape.vocab_size, shape.seq_length, mbs, seed=2), eval_iters)
     trainer.close()
     run = dict(train=losses, valid=valid, parameters=parameters, grad_norms=grad_norms)
     if learned:
@@ -351,6 +346,11 @@ def _run(
     return train_loopback(cfg, variant, steps, 1 + seed, eval_iters, label=label, pipeline_parallel=pp)
 
 
+def _dtype(results: dict) -> str:
+    """The runs' dtype (``train_config``: bf16 on a GPU, fp32 on CPU), from the hardware the json names."""
+    return "fp32" if str(results.get("hardware", "")).startswith("CPU") else "bf16"
+
+
 def _vocabulary_words(vocab_size: int) -> str:
     if vocab_size == 256:
         return "byte-level vocabulary"
@@ -370,7 +370,7 @@ def report(args, results: dict) -> List[str]:
         f"- Command: `python -m benchmarks.mapl_loopback {' '.join(args.argv)}`",
         f"- Commit: {results.get('commit')}; date: {results.get('date')}; hardware: {results.get('hardware')}",
         f"- Model: {args.model}, GPT {shape.num_layers} layers, hidden {shape.hidden_size}, FFN {shape.ffn_hidden_size}, "
-        f"seq {shape.seq_length}, {_vocabulary_words(args.vocab_size)}, bf16; MAPL boundary after layer "
+        f"seq {shape.seq_length}, {_vocabulary_words(args.vocab_size)}, {_dtype(results)}; MAPL boundary after layer "
         f"{shape.num_layers // 2} (PP=2's); "
         f"{args.steps} steps of 4 x 4 sequences, Adam lr {args.lr} with {args.warmup} warm-up steps and cosine "
         f"decay to {args.lr / 10:g}; Python stdlib text, validation on held-out files ({args.eval_iters} batches).",
@@ -493,8 +493,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             f.write("\n".join(report(args, results)) + "\n")
 
     if args.vocab_size != 256:  # trained and tokenized once here, read from the cache by every run
-        for split in ("train", "valid"):
-            text_batches(split, dataclasses.replace(MODELS[args.model], vocab_size=args.vocab_size), 1, seed=0)
+        cache_stdlib_text(args.vocab_size)
     todo = [
         (v, s) for s in range(args.seeds) for v in args.variants.split(";") if f"{v} | seed {s}" not in results["runs"]
     ]

@@ -20,6 +20,7 @@ __all__ = [
     "train_bpe_vocabulary",
     "bpe_text_batches",
     "stdlib_text_batches",
+    "cache_stdlib_text",
     "indexed_dataset_batches",
 ]
 
@@ -185,6 +186,13 @@ def stdlib_text_batches(
         return byte_text_batches(files, seq_length, micro_batch_size, seed=seed)
     vocabulary = train_bpe_vocabulary(train_files, vocab_size)
     return bpe_text_batches(files, vocabulary, seq_length, micro_batch_size, seed=seed)
+
+
+def cache_stdlib_text(vocab_size: int) -> None:
+    """Build the stdlib text's token datasets (and the BPE vocabulary when ``vocab_size`` is not 256) once, before
+    parallel runs start, so each run reads them from the cache instead of building them side by side."""
+    for split in ("train", "valid"):
+        stdlib_text_batches(split, vocab_size, seq_length=1, micro_batch_size=1, seed=0)
 
 
 def indexed_dataset_batches(
