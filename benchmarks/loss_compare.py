@@ -30,6 +30,9 @@ part of its curve, where two equally exact runs end up to 8% apart (the ``tp1`` 
 ``results/logs/loss_compare_gpt25m_reading_2026-12-03.md``); BPE text trains smoothly (the MAPL studies' seeds
 spread 0.3%).
 
+Runs train with PyTorch's deterministic algorithms where they exist; each run's record lists the ops that have none
+(``nondeterministic``, also in the report), the suspects when a GPU run does not reproduce itself.
+
 Statistics: for each seed, the variant's final validation loss relative to the baseline's of the same seed, in
 percent; their mean, sample standard deviation and the t-distribution's 95% interval of the mean (paired by seed).
 A goal (``--goal ARM=P``) is met when the upper end is <= P. With the control arm in the study, a goal the
@@ -42,6 +45,7 @@ rewritten after every run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import importlib.util
@@ -51,7 +55,8 @@ import os
 import shlex
 import statistics
 import time
-from typing import Dict, List, Optional, Sequence, Tuple
+import warnings
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import yaml
@@ -165,17 +170,35 @@ def _run(model: str, arm: str, seed: int, steps: int, micro_batches: int, micro_
     data = stdlib_text_batches("train", vocab_size, shape.seq_length, micro_batch_size, seed=1 + seed)
     start = time.perf_counter()
     losses = []
-    for step in range(1, steps + 1):
-        losses.append(trainer.train_step(data)["loss"])
-        if step % 250 == 0 and torch.distributed.get_rank() == 0:
-            print(f"  {_key(arm, seed)}: step {step}/{steps}, train loss {losses[-1]:.4f}, "
-                  f"{time.perf_counter() - start:.0f} s", flush=True)  # fmt: skip
+    with _nondeterministic_ops() as nondeterministic:
+        for step in range(1, steps + 1):
+            losses.append(trainer.train_step(data)["loss"])
+            if step % 250 == 0 and torch.distributed.get_rank() == 0:
+                print(f"  {_key(arm, seed)}: step {step}/{steps}, train loss {losses[-1]:.4f}, "
+                      f"{time.perf_counter() - start:.0f} s", flush=True)  # fmt: skip
     seconds = time.perf_counter() - start
     valid = trainer.evaluate(
         stdlib_text_batches("valid", vocab_size, shape.seq_length, micro_batch_size, seed=2), eval_iters
     )
     trainer.close()
-    return dict(train=losses, valid=valid, parameters=parameters, seconds=seconds)
+    return dict(train=losses, valid=valid, parameters=parameters, seconds=seconds, nondeterministic=nondeterministic)
+
+
+@contextlib.contextmanager
+def _nondeterministic_ops() -> Iterator[List[str]]:
+    """Trains with PyTorch's deterministic algorithms where they exist and yields the list of the ops that have
+    none (PyTorch's warning, one entry per op): a GPU run that does not reproduce itself names its cause here."""
+    found: List[str] = []
+    was = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield found
+        found.extend(sorted({str(w.message).split(" does not have")[0] for w in caught
+                             if "deterministic implementation" in str(w.message)}))  # fmt: skip
+    finally:
+        torch.use_deterministic_algorithms(was[0], warn_only=was[1])
 
 
 def _skip_single_rank_gradient_all_reduce(trainer: Trainer) -> None:
@@ -256,6 +279,9 @@ def report(args, results: dict) -> List[str]:
             f"`{base}`, 95% interval [{floor[2]:+.2f}%, {floor[3]:+.2f}%]. A goal inside that spread cannot be shown by "
             "this set-up: such a verdict reads 'not shown'.",
         ]
+    nondeterministic = sorted({op for run in runs.values() for op in run.get("nondeterministic", [])})
+    if nondeterministic:
+        lines += ["", f"Ops without a deterministic implementation (PyTorch's list): {', '.join(nondeterministic)}."]
     missing = [(a, s) for a in arms for s in range(args.seeds) if _key(a, s) not in runs]
     if missing:
         lines += ["", f"{len(missing)} runs still missing: run the same command again to train them."]

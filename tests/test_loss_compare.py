@@ -84,11 +84,21 @@ def test_the_tp_loopback_trains_in_one_process_and_keeps_its_own_runs(tmp_path, 
     assert results["setup"]["tp_loopback"] and sorted(results["runs"]) == ["fp8-ash | seed 0", "none | seed 0"]
     assert "computed in one process per run" in (tmp_path / "loop.md").read_text()
     assert results["runs"]["none | seed 0"]["parameters"] == 236_928  # gpt-tiny's, counted once at TP=1
+    assert results["runs"]["fp8-ash | seed 0"]["nondeterministic"] == []  # every op deterministic on CPU
     with pytest.raises(SystemExit, match="holds runs of another set-up"):  # never mixed with real TP=2 runs
         loss_compare.main([f for f in flags if f != "--tp-loopback"])
     with pytest.raises(SystemExit):
         loss_compare.main(flags + ["--backend", "gloo"])
     assert "no --backend" in capsys.readouterr().err
+
+
+def test_a_run_names_the_ops_that_have_no_deterministic_implementation():
+    import torch
+
+    with loss_compare._nondeterministic_ops() as found:
+        assert torch.are_deterministic_algorithms_enabled()
+        torch.zeros(4).put_(torch.tensor([1, 1]), torch.tensor([1.0, 2.0]))  # no deterministic put_ on CPU
+    assert found == ["put_"] and not torch.are_deterministic_algorithms_enabled()
 
 
 def test_the_control_arm_is_uncompressed_tp1_arithmetic_and_needs_the_loopback(tmp_path):
