@@ -40,6 +40,7 @@ import datetime
 import json
 import os
 import statistics
+import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from typing import List, Optional
 
@@ -315,15 +316,18 @@ def train_loopback(
     mbs = cfg.micro_batch_size
     data = stdlib_text_batches("train", shape.vocab_size, shape.seq_length, mbs, seed=data_seed)
     losses, grad_norms = [], []
+    began = time.perf_counter()
     for step in range(1, steps + 1):
-        if step % 250 == 0 and torch.distributed.get_rank() == 0:
-            print(f"  {label}: step {step}/{steps}, train loss {losses[-1]:.4f}", flush=True)
         result = trainer.train_step(data)
         losses.append(result["loss"])
         grad_norms.append(result["grad_norm"])
+        if (step % 250 == 0 or step == steps) and torch.distributed.get_rank() == 0:
+            print(f"  {label}: step {step}/{steps}, train loss {losses[-1]:.4f}, "
+                  f"{time.perf_counter() - began:.0f} s", flush=True)  # fmt: skip
+    seconds = time.perf_counter() - began
     valid = trainer.evaluate(stdlib_text_batches("valid", shape.vocab_size, shape.seq_length, mbs, seed=2), eval_iters)
     trainer.close()
-    run = dict(train=losses, valid=valid, parameters=parameters, grad_norms=grad_norms)
+    run = dict(train=losses, valid=valid, parameters=parameters, grad_norms=grad_norms, seconds=seconds)
     if learned:
         run["u_moved"] = subspace_distance(start, codec.projection.detach())
     return run

@@ -108,6 +108,8 @@ def test_u_learning_rate_of_a_variant_reaches_the_manifold_step():
         v: run_distributed(train_loopback, 1, _config(), v, STEPS, DATA_SEED, EVAL_ITERS, timeout=600)[0]
         for v in ("8x", "8x+ulr0.01", "8x+ulr5")
     }
+    for run in runs.values():
+        assert run.pop("seconds") > 0
     assert runs["8x+ulr0.01"] == runs["8x"]  # --mapl-lr's default, bit for bit
     assert runs["8x"]["train"][0] == runs["8x+ulr5"]["train"][0]
     # the steps are clipped hard here (clip 0.05): 7.3e-5 observed
