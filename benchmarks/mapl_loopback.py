@@ -458,6 +458,10 @@ def main(argv: Optional[List[str]] = None) -> None:
                 f"--variants: {variant!r} is a loopback variant; at --pipeline-parallel 2 use none or Rx, with "
                 "+fp8 (--mapl-wire fp8), +anchorsK or +ulrF"
             )
+    if args.warmup >= args.steps:  # one line here, not a traceback from every run
+        parser.error(
+            f"--warmup {args.warmup} must be below --steps {args.steps} (the cosine decay follows the warm-up)"
+        )
     if args.vocab_size < 256 or args.vocab_size > 65536:
         parser.error(f"--vocab-size {args.vocab_size}: expected 256 (bytes) or a BPE size up to 65536")
     setup = {k: getattr(args, k) for k in ("steps", "lr", "warmup", "eval_iters")}

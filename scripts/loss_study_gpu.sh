@@ -22,7 +22,9 @@ else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore OMP_NUM_THREADS=1
-export PROJECT_COMMIT=${PROJECT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+# git's HEAD, marked "+ uncommitted changes" when tracked files differ from it: on the GPU machine the copied tree's
+# HEAD can be stale, so pass PROJECT_COMMIT=$(git rev-parse --short HEAD) from the checkout that sent it
+export PROJECT_COMMIT=${PROJECT_COMMIT:-$(python3 -c 'from benchmarks.provenance import project_commit; print(project_commit())')}
 [ "$out/$name.json" -ef "$results" ] || { [ ! -f "$results" ] || cp "$results" "$out/$name.json"; }
 log="$out/$name.log"
 {

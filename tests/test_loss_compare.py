@@ -140,6 +140,19 @@ def test_a_bpe_vocabulary_replaces_the_bytes_and_is_part_of_the_set_up(tmp_path,
     assert "--vocab-size 100: expected 256 (bytes) or a BPE vocabulary of 257-65536 tokens" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("study", ["loss_compare", "mapl_loopback"])
+def test_a_warm_up_as_long_as_the_run_is_one_line_naming_the_flag(study, tmp_path, capsys):
+    """Both studies refuse it before any run starts (it was a traceback from every run's rank)."""
+    import importlib
+
+    with pytest.raises(SystemExit):
+        importlib.import_module(f"benchmarks.{study}").main(
+            ["--steps", "60", "--warmup", "100", "--json", str(tmp_path / "x.json")]
+        )
+    assert "--warmup 100 must be below --steps 60" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_a_goal_inside_the_controls_spread_reads_not_shown(tmp_path):
     """The report reads each goal against the control: an arm whose interval straddles its goal while the control's
     own interval reaches past it is 'not shown' (the set-up cannot tell), not 'missed'; an interval wholly above
