@@ -353,7 +353,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else __import__("sys").argv[1:]
     args.dtype = "bf16" if args.device == "cuda" else "fp32"
-    if args.warmup >= args.steps:  # one line here, not a traceback from every run
+    if args.warmup >= args.steps and not args.report_only:  # one line here, not a traceback from every run
         parser.error(
             f"--warmup {args.warmup} must be below --steps {args.steps} (the cosine decay follows the warm-up)"
         )

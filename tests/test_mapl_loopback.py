@@ -146,7 +146,7 @@ def test_the_confirmation_model_is_gpt_125m_layers_and_never_mixes_with_the_firs
     assert shape.seq_length == MODELS["gpt-25m"].seq_length == 512 and shape.tie_embeddings
     assert (_parse("8x").rank(768), _parse("8x+fp8").rank(768)) == (96, 192)
     path = tmp_path / "first.json"
-    path.write_text(json.dumps({"setup": {"steps": 2, "lr": 1e-3, "warmup": 100, "eval_iters": 20}, "runs": {}}))
-    flags = ["--variants", "none", "--seeds", "1", "--steps", "2", "--json", str(path)]
+    path.write_text(json.dumps({"setup": {"steps": 2, "lr": 1e-3, "warmup": 1, "eval_iters": 20}, "runs": {}}))
+    flags = ["--variants", "none", "--seeds", "1", "--steps", "2", "--warmup", "1", "--json", str(path)]
     with pytest.raises(SystemExit, match="holds runs of another set-up"):
         main(flags + ["--model", "gpt-125m"])
