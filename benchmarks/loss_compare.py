@@ -34,13 +34,13 @@ Runs train with PyTorch's deterministic algorithms where they exist; each run's 
 (``nondeterministic``, also in the report), the suspects when a GPU run does not reproduce itself.
 
 Statistics: for each seed, the variant's final validation loss relative to the baseline's of the same seed, in
-percent; their mean, sample standard deviation and the t-distribution's 95% interval of the mean (paired by seed).
-A goal (``--goal ARM=P``) is met when the upper end is <= P. With the control arm in the study, a goal the
-control's own interval reaches past reads 'not shown' (unless the arm's whole interval is above it: missed).
-Results accumulate in ``--json`` after every run: a call cut short keeps what it finished, and the same command
-again trains only the runs still missing. The report (``--report``, default: the json's name with ``.md``) is
-rewritten after every run.
-"""
+percent; their mean, sample standard deviation and the t-distribution's 95% interval of the mean (paired by seed). The
+report adds each arm's training-loss gap per tenth of the run (mean over seeds): how a gap grows, beside the
+control's. A goal (``--goal ARM=P``) is met when the upper end is <= P. With the control arm in the study, a goal the
+control's own interval reaches past reads 'not shown' (unless the arm's whole interval is above it: missed). Results
+accumulate in ``--json`` after every run: a call cut short keeps what it finished, and the same command again trains
+only the runs still missing. The report (``--report``, default: the json's name with ``.md``) is rewritten after every
+run. """
 
 from __future__ import annotations
 
@@ -279,6 +279,7 @@ def report(args, results: dict) -> List[str]:
             f"`{base}`, 95% interval [{floor[2]:+.2f}%, {floor[3]:+.2f}%]. A goal inside that spread cannot be shown by "
             "this set-up: such a verdict reads 'not shown'.",
         ]
+    lines += _training_gaps(arms, runs, args.seeds)
     nondeterministic = sorted({op for run in runs.values() for op in run.get("nondeterministic", [])})
     if nondeterministic:
         lines += ["", f"Ops without a deterministic implementation (PyTorch's list): {', '.join(nondeterministic)}."]
@@ -286,6 +287,43 @@ def report(args, results: dict) -> List[str]:
     if missing:
         lines += ["", f"{len(missing)} runs still missing: run the same command again to train them."]
     return lines
+
+
+def _training_gaps(arms: List[str], runs: dict, seeds: int, windows: int = 10) -> List[str]:
+    """The training loss of each arm against the baseline's per window of steps, mean over the paired seeds: how a
+    gap grows through the run (each seed alone spreads as widely as its validation loss; the means show the trend)."""
+    base = arms[0]
+    rows = []
+    for arm in arms[1:]:
+        paired = [s for s in range(seeds) if _key(arm, s) in runs and _key(base, s) in runs]
+        if not paired:
+            continue
+        steps = min(len(runs[_key(a, s)]["train"]) for s in paired for a in (arm, base))
+        if steps < windows:
+            return []
+        width = steps // windows
+        gaps = [
+            statistics.mean(
+                100
+                * (
+                    sum(runs[_key(arm, s)]["train"][w : w + width]) / sum(runs[_key(base, s)]["train"][w : w + width])
+                    - 1
+                )
+                for s in paired
+            )
+            for w in range(0, width * windows, width)
+        ]
+        rows.append(f"| `{arm}` | {len(paired)} | " + " | ".join(f"{g:+.2f}" for g in gaps) + " |")
+    if not rows:
+        return []
+    return [
+        "",
+        f"Training loss against `{base}`, per window of {width} steps, mean over the paired seeds (%):",
+        "",
+        "| arm | seeds | " + " | ".join(f"{w + 1}-{w + width}" for w in range(0, width * windows, width)) + " |",
+        "|---|---|" + "---|" * windows,
+        *rows,
+    ]
 
 
 def _control_interval(arms: List[str], runs: dict, seeds: int) -> Optional[Tuple[float, float, float, float]]:

@@ -180,3 +180,18 @@ def test_a_goal_inside_the_controls_spread_reads_not_shown(tmp_path):
     loss_compare.main(flags + ["--arms", "none;fp8-ash;int4-ash"])  # no control: nothing to read it against
     report = (tmp_path / "made.md").read_text()
     assert "| +0.25%: missed |" in report and "Noise floor" not in report
+
+
+def test_the_report_shows_how_the_training_gap_grows_per_window():
+    """Mean over the paired seeds of each window's training-loss ratio: an arm 1% above the baseline from step 11 on
+    reads +0.00 in the first windows and +1.00 in the last; a run of fewer steps than windows gets no table."""
+    base = [3.0 - 0.05 * i for i in range(20)]
+    runs = {f"none | seed {s}": {"train": base} for s in range(2)}
+    runs.update({f"fp8-ash | seed {s}": {"train": base[:10] + [1.01 * x for x in base[10:]]} for s in range(2)})
+    lines = loss_compare._training_gaps(["none", "fp8-ash"], runs, seeds=2)
+    assert "per window of 2 steps" in lines[1] and lines[3].startswith("| arm | seeds | 1-2 | 3-4 |")
+    assert lines[-1] == "| `fp8-ash` | 2 | " + " | ".join(["+0.00"] * 5 + ["+1.00"] * 5) + " |"
+    assert (
+        loss_compare._training_gaps(["none", "fp8-ash"], {k: {"train": r["train"][:5]} for k, r in runs.items()}, 2)
+        == []
+    )
