@@ -195,8 +195,9 @@ def _nondeterministic_ops() -> Iterator[List[str]]:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             yield found
-        found.extend(sorted({str(w.message).split(" does not have")[0] for w in caught
-                             if "deterministic implementation" in str(w.message)}))  # fmt: skip
+        messages = {str(w.message) for w in caught}
+        found.extend(sorted({m.split(" does not have")[0] for m in messages
+                             if "deterministic implementation" in m or "not deterministic" in m}))  # fmt: skip
     finally:
         torch.use_deterministic_algorithms(was[0], warn_only=was[1])
 
@@ -283,6 +284,10 @@ def report(args, results: dict) -> List[str]:
     nondeterministic = sorted({op for run in runs.values() for op in run.get("nondeterministic", [])})
     if nondeterministic:
         lines += ["", f"Ops without a deterministic implementation (PyTorch's list): {', '.join(nondeterministic)}."]
+    before = sum("nondeterministic" not in run for run in runs.values())
+    if before:
+        lines += ["", f"{before} of the {len(runs)} runs trained before deterministic algorithms (c0260f1): a run "
+                  "of the same seed and arm need not reproduce them."]  # fmt: skip
     missing = [(a, s) for a in arms for s in range(args.seeds) if _key(a, s) not in runs]
     if missing:
         lines += ["", f"{len(missing)} runs still missing: run the same command again to train them."]
@@ -291,38 +296,33 @@ def report(args, results: dict) -> List[str]:
 
 def _training_gaps(arms: List[str], runs: dict, seeds: int, windows: int = 10) -> List[str]:
     """The training loss of each arm against the baseline's per window of steps, mean over the paired seeds: how a
-    gap grows through the run (each seed alone spreads as widely as its validation loss; the means show the trend)."""
+    gap grows through the run (each seed alone spreads as widely as its validation loss; the means show the trend).
+    The windows split the steps every paired run has; the last one takes the remainder."""
     base = arms[0]
-    rows = []
-    for arm in arms[1:]:
-        paired = [s for s in range(seeds) if _key(arm, s) in runs and _key(base, s) in runs]
-        if not paired:
-            continue
-        steps = min(len(runs[_key(a, s)]["train"]) for s in paired for a in (arm, base))
-        if steps < windows:
-            return []
-        width = steps // windows
-        gaps = [
-            statistics.mean(
-                100
-                * (
-                    sum(runs[_key(arm, s)]["train"][w : w + width]) / sum(runs[_key(base, s)]["train"][w : w + width])
-                    - 1
-                )
-                for s in paired
-            )
-            for w in range(0, width * windows, width)
-        ]
-        rows.append(f"| `{arm}` | {len(paired)} | " + " | ".join(f"{g:+.2f}" for g in gaps) + " |")
-    if not rows:
+    paired = {arm: [s for s in range(seeds) if _key(arm, s) in runs and _key(base, s) in runs] for arm in arms[1:]}
+    lengths = [len(runs[_key(a, s)]["train"]) for arm, ss in paired.items() for s in ss for a in (arm, base)]
+    if not lengths or min(lengths) < windows:
         return []
+    steps = min(lengths)
+    starts = [w * (steps // windows) for w in range(windows)]
+    bounds = list(zip(starts, starts[1:] + [steps]))
+
+    def gap(arm: str, seed: int, lo: int, hi: int) -> float:
+        return 100 * (sum(runs[_key(arm, seed)]["train"][lo:hi]) / sum(runs[_key(base, seed)]["train"][lo:hi]) - 1)
+
     return [
         "",
-        f"Training loss against `{base}`, per window of {width} steps, mean over the paired seeds (%):",
+        f"Training loss against `{base}`, per tenth of the first {steps} steps, mean over the paired seeds (%):",
         "",
-        "| arm | seeds | " + " | ".join(f"{w + 1}-{w + width}" for w in range(0, width * windows, width)) + " |",
+        "| arm | seeds | " + " | ".join(f"{lo + 1}-{hi}" for lo, hi in bounds) + " |",
         "|---|---|" + "---|" * windows,
-        *rows,
+        *(
+            f"| `{arm}` | {len(ss)} | "
+            + " | ".join(f"{statistics.mean(gap(arm, s, lo, hi) for s in ss):+.2f}" for lo, hi in bounds)
+            + " |"
+            for arm, ss in paired.items()
+            if ss
+        ),
     ]
 
 

@@ -23,14 +23,14 @@ if [ -d .whl ]; then
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore OMP_NUM_THREADS=1
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore OMP_NUM_THREADS=1 CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
 # git's HEAD, marked "+ uncommitted changes" when tracked files differ from it: on the GPU machine the copied tree's
-# HEAD can be stale, so pass PROJECT_COMMIT=$(git rev-parse --short HEAD) from the checkout that sent it
+# HEAD can be stale, so write the sending checkout's commit into the call's command (PROJECT_COMMIT=abc1234 bash ...)
 export PROJECT_COMMIT=${PROJECT_COMMIT:-$(python3 -c 'from benchmarks.provenance import project_commit; print(project_commit())')}
 [ "$out/$name.json" -ef "$results" ] || { [ ! -f "$results" ] || cp "$results" "$out/$name.json"; }
 log="$out/$name.log"
 {
-  echo "# $(date -u +%F' '%T) commit $PROJECT_COMMIT: STUDY=$study BUDGET_S=${BUDGET_S:-540} bash scripts/loss_study_gpu.sh $results $*"
+  echo "# $(date -u +%F' '%T) commit $PROJECT_COMMIT: STUDY=$study BUDGET_S=${BUDGET_S:-540} bash scripts/loss_study_gpu.sh $(printf '%q ' "$results" "$@")"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader || true
   python3 -c "import torch, triton, megatron.core; print('torch', torch.__version__, 'triton', triton.__version__, 'megatron-core', megatron.core.__version__)"
 } >> "$log" 2>&1

@@ -99,6 +99,9 @@ def test_a_run_names_the_ops_that_have_no_deterministic_implementation():
         assert torch.are_deterministic_algorithms_enabled()
         torch.zeros(4).put_(torch.tensor([1, 1]), torch.tensor([1.0, 2.0]))  # no deterministic put_ on CPU
     assert found == ["put_"] and not torch.are_deterministic_algorithms_enabled()
+    with pytest.raises(RuntimeError), loss_compare._nondeterministic_ops():
+        raise RuntimeError("a run that fails")
+    assert not torch.are_deterministic_algorithms_enabled()  # restored all the same
 
 
 def test_the_control_arm_is_uncompressed_tp1_arithmetic_and_needs_the_loopback(tmp_path):
@@ -184,14 +187,20 @@ def test_a_goal_inside_the_controls_spread_reads_not_shown(tmp_path):
 
 def test_the_report_shows_how_the_training_gap_grows_per_window():
     """Mean over the paired seeds of each window's training-loss ratio: an arm 1% above the baseline from step 11 on
-    reads +0.00 in the first windows and +1.00 in the last; a run of fewer steps than windows gets no table."""
-    base = [3.0 - 0.05 * i for i in range(20)]
+    reads +0.00 in the first windows and +1.00 in the last; the windows split the steps every paired run has (a
+    shorter arm shortens them all, the last window takes the remainder); fewer steps than windows: no table."""
+    base = [3.0 - 0.05 * i for i in range(21)]
     runs = {f"none | seed {s}": {"train": base} for s in range(2)}
     runs.update({f"fp8-ash | seed {s}": {"train": base[:10] + [1.01 * x for x in base[10:]]} for s in range(2)})
     lines = loss_compare._training_gaps(["none", "fp8-ash"], runs, seeds=2)
-    assert "per window of 2 steps" in lines[1] and lines[3].startswith("| arm | seeds | 1-2 | 3-4 |")
+    assert "first 21 steps" in lines[1] and lines[3].startswith("| arm | seeds | 1-2 | 3-4 |")
+    assert lines[3].endswith("| 17-18 | 19-21 |")  # the remainder in the last window
     assert lines[-1] == "| `fp8-ash` | 2 | " + " | ".join(["+0.00"] * 5 + ["+1.00"] * 5) + " |"
+    runs["tp1 | seed 0"] = {"train": base[:20]}  # one seed, 20 steps: every row over the first 20
+    lines = loss_compare._training_gaps(["none", "fp8-ash", "tp1"], runs, seeds=2)
+    assert "first 20 steps" in lines[1] and lines[3].endswith("| 19-20 |")
     assert (
-        loss_compare._training_gaps(["none", "fp8-ash"], {k: {"train": r["train"][:5]} for k, r in runs.items()}, 2)
-        == []
+        lines[-2].startswith("| `fp8-ash` | 2 |") and lines[-1] == "| `tp1` | 1 | " + " | ".join(["+0.00"] * 10) + " |"
     )
+    short = {k: {"train": r["train"][:5]} for k, r in runs.items()}
+    assert loss_compare._training_gaps(["none", "fp8-ash"], short, 2) == []
