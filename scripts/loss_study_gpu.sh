@@ -23,7 +23,7 @@ if [ -d .whl ]; then
 else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
-export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore OMP_NUM_THREADS=1 CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore OMP_NUM_THREADS=1
 # git's HEAD, marked "+ uncommitted changes" when tracked files differ from it: on the GPU machine the copied tree's
 # HEAD can be stale, so write the sending checkout's commit into the call's command (PROJECT_COMMIT=abc1234 bash ...)
 export PROJECT_COMMIT=${PROJECT_COMMIT:-$(python3 -c 'from benchmarks.provenance import project_commit; print(project_commit())')}
