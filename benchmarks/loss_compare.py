@@ -56,6 +56,7 @@ import shlex
 import statistics
 import time
 import warnings
+from collections import Counter
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -234,7 +235,7 @@ def report(args, results: dict) -> List[str]:
         f"# Loss comparison: {args.model}, {', '.join(arms)}",
         "",
         f"- Command: `{results.get('command', _command(args))}`",
-        f"- Commit: {results.get('commit', project_commit())}; date {results.get('date')}; hardware: {results.get('hardware')}; "
+        f"- Commit: {_commits(results)}; date {results.get('date')}; hardware: {results.get('hardware')}; "
         f"torch {results.get('torch', torch.__version__)}",
         f"- Model: {args.model} ({_parameter_counts(results)} parameters), {dataclasses.asdict(shape)}",
         f"- Training: TP=2 + SP {_transports(args, results)}, {args.dtype}, {args.steps} steps of {args.micro_batches} x {args.micro_batch_size} "
@@ -292,6 +293,17 @@ def report(args, results: dict) -> List[str]:
     if missing:
         lines += ["", f"{len(missing)} runs still missing: run the same command again to train them."]
     return lines
+
+
+def _commits(results: dict) -> str:
+    """The commit of the last call that trained, and how many runs each commit trained when the json holds runs of
+    several calls (runs trained before 2026-12-03's per-run record do not name theirs; each call's log header does)."""
+    last = results.get("commit", project_commit())
+    counts = Counter(run.get("commit", "not recorded") for run in results["runs"].values())
+    if set(counts) <= {last}:
+        return last
+    per_commit = ", ".join(f"{commit} {n}" for commit, n in sorted(counts.items()))
+    return f"{last} (the last call that trained); runs per commit: {per_commit} (the calls' log headers name each)"
 
 
 def _training_gaps(arms: List[str], runs: dict, seeds: int, windows: int = 10) -> List[str]:
@@ -485,7 +497,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         for future in as_completed(futures):
             arm, seed = futures[future]
             try:
-                results["runs"][_key(arm, seed)] = dict(future.result()[0], backend=_transport(args))
+                results["runs"][_key(arm, seed)] = dict(
+                    future.result()[0], backend=_transport(args), commit=results["commit"], date=results["date"]
+                )
             except Exception as exc:  # the other runs go on; this one is reported and left to a re-run
                 print(f"  {_key(arm, seed)}: FAILED: {exc}", flush=True)
                 failed.append(_key(arm, seed))

@@ -33,8 +33,11 @@ def test_a_tiny_comparison_trains_every_run_once_and_resumes(tmp_path, capsys):
     assert sorted(runs) == ["fp8-ash | seed 0", "fp8-ash | seed 1", "none | seed 0", "none | seed 1"]
     assert all(len(r["train"]) == 2 and r["valid"] > 0 and r["parameters"] > 0 for r in runs.values())
     assert runs["none | seed 0"]["valid"] != runs["none | seed 1"]["valid"]  # seeds differ
+    commit = json.loads(path.read_text())["commit"]
+    assert {r["commit"] for r in runs.values()} == {commit}  # each run names the commit that trained it
     report = (tmp_path / "runs.md").read_text()
     assert "| fp8-ash | 2 |" in report and "+0.25%: " in report
+    assert f"- Commit: {commit}; date" in report  # one call: one commit, no per-commit counts
     loss_compare.main(flags)  # again: nothing left to train
     assert "0 runs to train (4 already in" in capsys.readouterr().out
     loss_compare.main(flags[:-2] + ["--report-only", "--arms", "none"])  # one arm's report (no --goal), no training
@@ -183,6 +186,18 @@ def test_a_goal_inside_the_controls_spread_reads_not_shown(tmp_path):
     loss_compare.main(flags + ["--arms", "none;fp8-ash;int4-ash"])  # no control: nothing to read it against
     report = (tmp_path / "made.md").read_text()
     assert "| +0.25%: missed |" in report and "Noise floor" not in report
+
+
+def test_the_commit_line_counts_the_runs_of_each_call():
+    """A json that several calls filled names the last call's commit and how many runs each commit trained (runs
+    from before the per-run record count as 'not recorded'), so a report never credits old runs to the new commit."""
+    runs = {"none | seed 0": {}, "tp1 | seed 0": {}, "fp4-ash | seed 0": {"commit": "bbb2222"}}
+    line = loss_compare._commits({"commit": "bbb2222", "runs": runs})
+    assert (
+        line
+        == "bbb2222 (the last call that trained); runs per commit: bbb2222 1, not recorded 2 (the calls' log headers name each)"
+    )
+    assert loss_compare._commits({"commit": "bbb2222", "runs": {"none | seed 0": {"commit": "bbb2222"}}}) == "bbb2222"
 
 
 def test_the_report_shows_how_the_training_gap_grows_per_window():
