@@ -36,11 +36,11 @@ Runs train with PyTorch's deterministic algorithms where they exist; each run's 
 Statistics: for each seed, the variant's final validation loss relative to the baseline's of the same seed, in
 percent; their mean, sample standard deviation and the t-distribution's 95% interval of the mean (paired by seed). The
 report adds each arm's training-loss gap per tenth of the run (mean over seeds): how a gap grows, beside the
-control's. A goal (``--goal ARM=P``) is met when the upper end is <= P. With the control arm in the study, a goal the
-control's own interval reaches past reads 'not shown' (unless the arm's whole interval is above it: missed). Results
-accumulate in ``--json`` after every run: a call cut short keeps what it finished, and the same command again trains
-only the runs still missing. The report (``--report``, default: the json's name with ``.md``) is rewritten after every
-run. """
+control's; ``--plot PNG`` draws them in 50 windows, every seed and the mean. A goal (``--goal ARM=P``) is met when
+the upper end is <= P. With the control arm in the study, a goal the control's own interval reaches past reads
+'not shown' (unless the arm's whole interval is above it: missed). Results accumulate in ``--json`` after every run:
+a call cut short keeps what it finished, and the same command again trains only the runs still missing. The report
+(``--report``, default: the json's name with ``.md``) is rewritten after every run. """
 
 from __future__ import annotations
 
@@ -282,6 +282,9 @@ def report(args, results: dict) -> List[str]:
             "this set-up: such a verdict reads 'not shown'.",
         ]
     lines += _training_gaps(arms, runs, args.seeds)
+    if args.plot:  # the picture of the same gaps, every seed and the mean, beside the report
+        report_dir = os.path.dirname(args.report or os.path.splitext(args.json)[0] + ".md")
+        lines += ["", f"![training-loss gaps per window]({os.path.relpath(args.plot, report_dir or '.')})"]
     nondeterministic = sorted({op for run in runs.values() for op in run.get("nondeterministic", [])})
     if nondeterministic:
         lines += ["", f"Ops without a deterministic implementation (PyTorch's list): {', '.join(nondeterministic)}."]
@@ -295,6 +298,14 @@ def report(args, results: dict) -> List[str]:
     return lines
 
 
+def write_report(args, results: dict, path: str) -> None:
+    """The markdown report at ``path``, and the gap plot when ``--plot`` names one."""
+    with open(path, "w") as f:
+        f.write("\n".join(report(args, results)) + "\n")
+    if args.plot:
+        plot_training_gaps(args.plot, args.arms.split(";"), results["runs"], args.seeds)
+
+
 def _commits(results: dict) -> str:
     """The commit of the last call that trained, and how many runs each commit trained when the json holds runs of
     several calls (runs trained before 2026-12-03's per-run record do not name theirs; each call's log header does)."""
@@ -306,15 +317,17 @@ def _commits(results: dict) -> str:
     return f"{last} (the last call that trained); runs per commit: {per_commit} (the calls' log headers name each)"
 
 
-def _training_gaps(arms: List[str], runs: dict, seeds: int, windows: int = 10) -> List[str]:
-    """The training loss of each arm against the baseline's per window of steps, mean over the paired seeds: how a
-    gap grows through the run (each seed alone spreads as widely as its validation loss; the means show the trend).
-    The windows split the steps every paired run has; the last one takes the remainder."""
+def _gap_windows(
+    arms: List[str], runs: dict, seeds: int, windows: int
+) -> Tuple[List[Tuple[int, int]], Dict[str, Dict[int, List[float]]]]:
+    """Each arm's training loss against the baseline's (the first arm) per window of steps, per paired seed, in %:
+    (the windows' [lo, hi) step bounds, {arm: {seed: gaps}}). The windows split the steps every paired run has; the
+    last one takes the remainder. Empty when the runs have fewer steps than windows."""
     base = arms[0]
     paired = {arm: [s for s in range(seeds) if _key(arm, s) in runs and _key(base, s) in runs] for arm in arms[1:]}
     lengths = [len(runs[_key(a, s)]["train"]) for arm, ss in paired.items() for s in ss for a in (arm, base)]
     if not lengths or min(lengths) < windows:
-        return []
+        return [], {}
     steps = min(lengths)
     starts = [w * (steps // windows) for w in range(windows)]
     bounds = list(zip(starts, starts[1:] + [steps]))
@@ -322,20 +335,60 @@ def _training_gaps(arms: List[str], runs: dict, seeds: int, windows: int = 10) -
     def gap(arm: str, seed: int, lo: int, hi: int) -> float:
         return 100 * (sum(runs[_key(arm, seed)]["train"][lo:hi]) / sum(runs[_key(base, seed)]["train"][lo:hi]) - 1)
 
+    return bounds, {
+        arm: {s: [gap(arm, s, lo, hi) for lo, hi in bounds] for s in ss} for arm, ss in paired.items() if ss
+    }
+
+
+def _training_gaps(arms: List[str], runs: dict, seeds: int, windows: int = 10) -> List[str]:
+    """The table of :func:`_gap_windows` per tenth of the run, mean over the paired seeds: how a gap grows through
+    the run (each seed alone spreads as widely as its validation loss; the means show the trend)."""
+    bounds, gaps = _gap_windows(arms, runs, seeds, windows)
+    if not gaps:
+        return []
     return [
         "",
-        f"Training loss against `{base}`, per tenth of the first {steps} steps, mean over the paired seeds (%):",
+        f"Training loss against `{arms[0]}`, per tenth of the first {bounds[-1][1]} steps, mean over the paired seeds (%):",
         "",
         "| arm | seeds | " + " | ".join(f"{lo + 1}-{hi}" for lo, hi in bounds) + " |",
         "|---|---|" + "---|" * windows,
         *(
-            f"| `{arm}` | {len(ss)} | "
-            + " | ".join(f"{statistics.mean(gap(arm, s, lo, hi) for s in ss):+.2f}" for lo, hi in bounds)
+            f"| `{arm}` | {len(per_seed)} | "
+            + " | ".join(f"{statistics.mean(window):+.2f}" for window in zip(*per_seed.values()))
             + " |"
-            for arm, ss in paired.items()
-            if ss
+            for arm, per_seed in gaps.items()
         ),
     ]
+
+
+def plot_training_gaps(path: str, arms: List[str], runs: dict, seeds: int, windows: int = 50) -> bool:
+    """A PNG of each arm's training-loss gap to the baseline per window (every seed thin, the mean thick; the
+    control grey): the picture of how a gap grows beside the control's drift. False when there is nothing to draw."""
+    bounds, gaps = _gap_windows(arms, runs, seeds, windows)
+    if not gaps:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    middle = [(lo + hi) / 2 for lo, hi in bounds]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for index, (arm, per_seed) in enumerate(gaps.items()):
+        colour = "grey" if arm == CONTROL_ARM else f"C{index}"
+        for values in per_seed.values():
+            ax.plot(middle, values, color=colour, alpha=0.25, linewidth=0.8)
+        mean = [statistics.mean(window) for window in zip(*per_seed.values())]
+        ax.plot(middle, mean, color=colour, linewidth=2.2, label=f"{arm} (mean of {len(per_seed)} seeds)")
+    ax.axhline(0, color="black", linewidth=0.6)
+    ax.set_xlabel(f"step (windows of {bounds[0][1] - bounds[0][0]} steps)")
+    ax.set_ylabel(f"training loss vs {arms[0]} (%)")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def _control_interval(arms: List[str], runs: dict, seeds: int) -> Optional[Tuple[float, float, float, float]]:
@@ -398,6 +451,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--json", required=True, help="results so far (read to resume, rewritten after every run)")
     parser.add_argument("--report", help="markdown report (default: --json with .md)")
     parser.add_argument(
+        "--plot", help="also draw the training-loss gaps per window into this PNG (needs matplotlib), with the report"
+    )
+    parser.add_argument(
         "--report-only", action="store_true", help="rewrite the report of --arms from --json; train nothing"
     )
     args = parser.parse_args(argv)
@@ -413,6 +469,8 @@ def main(argv: Optional[List[str]] = None) -> None:
         parser.error(
             f"--vocab-size {args.vocab_size}: a BPE vocabulary needs the tokenizers package (pip install tokenizers)"
         )
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        parser.error(f"--plot {args.plot}: drawing needs the matplotlib package (pip install matplotlib)")
     if args.tp_loopback and args.backend:
         parser.error("--tp-loopback runs each run in one process: no --backend")
     args.backend = args.backend or ("nccl" if args.device == "cuda" else "gloo")
@@ -442,8 +500,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     if args.report_only:
         if not results["runs"]:
             raise SystemExit(f"--report-only: no runs in {args.json}")
-        with open(report_path, "w") as f:
-            f.write("\n".join(report(args, results)) + "\n")
+        write_report(args, results, report_path)
         print(f"loss_compare: {report_path} rewritten from {len(results['runs'])} runs in {args.json}")
         return
     results.update(setup=_setup(args), date=datetime.date.today().isoformat(), commit=project_commit())
@@ -457,8 +514,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     def save():
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-        with open(report_path, "w") as f:
-            f.write("\n".join(report(args, results)) + "\n")
+        write_report(args, results, report_path)
 
     if args.device == "cuda":  # CUDA is initialised here (the GPU's name), so ranks start fresh, not forked
         os.environ.setdefault("TACO_TEST_START_METHOD", "spawn")

@@ -219,3 +219,37 @@ def test_the_report_shows_how_the_training_gap_grows_per_window():
     )
     short = {k: {"train": r["train"][:5]} for k, r in runs.items()}
     assert loss_compare._training_gaps(["none", "fp8-ash"], short, 2) == []
+
+
+def test_the_plot_draws_the_gaps_of_every_seed_beside_the_report(tmp_path, monkeypatch, capsys):
+    """--plot writes a PNG of the per-window training gaps (each seed's own, which the table's means hide) and the
+    report links it; without matplotlib, --plot is one line naming the flag before anything runs."""
+    base = [3.0 - 0.01 * i for i in range(100)]
+    runs = {f"none | seed {s}": {"train": base, "valid": 1.0, "parameters": 1} for s in range(2)}
+    runs.update({f"tp1 | seed {s}": {"train": base, "valid": 1.0, "parameters": 1} for s in range(2)})
+    runs["fp8-ash | seed 0"] = {"train": [1.02 * x for x in base], "valid": 1.02, "parameters": 1}
+    runs["fp8-ash | seed 1"] = {"train": [0.99 * x for x in base], "valid": 0.99, "parameters": 1}
+    bounds, gaps = loss_compare._gap_windows(["none", "fp8-ash", "tp1"], runs, seeds=2, windows=50)
+    assert bounds[0] == (0, 2) and bounds[-1] == (98, 100)
+    assert [round(g, 9) for g in gaps["fp8-ash"][0]] == [2.0] * 50 and [round(g, 9) for g in gaps["fp8-ash"][1]] == [
+        -1.0
+    ] * 50
+    setup = {"model": "gpt-tiny", "steps": 100, "micro_batches": 1, "micro_batch_size": 2, "lr": 6e-4, "warmup": 50,
+             "eval_iters": 50, "dtype": "fp32", "tp_loopback": True}  # fmt: skip
+    path = tmp_path / "made.json"
+    path.write_text(json.dumps({"setup": setup, "runs": runs}))
+    plot = tmp_path / "plots" / "gaps.png"
+    plot.parent.mkdir()
+    flags = ["--model", "gpt-tiny", "--seeds", "2", "--steps", "100", "--micro-batches", "1", "--micro-batch-size", "2",
+             "--device", "cpu", "--json", str(path), "--tp-loopback", "--report-only", "--arms", "none;fp8-ash;tp1",
+             "--plot", str(plot)]  # fmt: skip
+    loss_compare.main(flags)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
+    assert "![training-loss gaps per window](plots/gaps.png)" in (tmp_path / "made.md").read_text()
+    real_find_spec = loss_compare.importlib.util.find_spec
+    monkeypatch.setattr(
+        loss_compare.importlib.util, "find_spec", lambda name: None if name == "matplotlib" else real_find_spec(name)
+    )
+    with pytest.raises(SystemExit):
+        loss_compare.main(flags)
+    assert f"--plot {plot}: drawing needs the matplotlib package" in capsys.readouterr().err
