@@ -225,8 +225,8 @@ def _parameter_counts(results: dict) -> str:
     return " / ".join(f"{c:,}" for c in counts) or "?"
 
 
-def report(args, results: dict) -> List[str]:
-    """The markdown report of what ``results`` holds so far."""
+def report(args, results: dict, image: Optional[str] = None) -> List[str]:
+    """The markdown report of what ``results`` holds so far; ``image``: the gap plot's path from the report's folder."""
     arms = args.arms.split(";")
     base = arms[0]
     shape = dataclasses.replace(MODELS[args.model], vocab_size=args.vocab_size)
@@ -282,9 +282,8 @@ def report(args, results: dict) -> List[str]:
             "this set-up: such a verdict reads 'not shown'.",
         ]
     lines += _training_gaps(arms, runs, args.seeds)
-    if args.plot:  # the picture of the same gaps, every seed and the mean, beside the report
-        report_dir = os.path.dirname(args.report or os.path.splitext(args.json)[0] + ".md")
-        lines += ["", f"![training-loss gaps per window]({os.path.relpath(args.plot, report_dir or '.')})"]
+    if image:  # the picture of the same gaps, every seed and the mean
+        lines += ["", f"![training-loss gaps per window]({image})"]
     nondeterministic = sorted({op for run in runs.values() for op in run.get("nondeterministic", [])})
     if nondeterministic:
         lines += ["", f"Ops without a deterministic implementation (PyTorch's list): {', '.join(nondeterministic)}."]
@@ -299,17 +298,17 @@ def report(args, results: dict) -> List[str]:
 
 
 def write_report(args, results: dict, path: str) -> None:
-    """The markdown report at ``path``, and the gap plot when ``--plot`` names one."""
+    """The markdown report at ``path``, and the gap plot when ``--plot`` names one (linked only once it is drawn)."""
+    drawn = bool(args.plot) and plot_training_gaps(args.plot, args.arms.split(";"), results["runs"], args.seeds)
+    image = os.path.relpath(args.plot, os.path.dirname(path) or ".") if drawn else None
     with open(path, "w") as f:
-        f.write("\n".join(report(args, results)) + "\n")
-    if args.plot:
-        plot_training_gaps(args.plot, args.arms.split(";"), results["runs"], args.seeds)
+        f.write("\n".join(report(args, results, image)) + "\n")
 
 
 def _commits(results: dict) -> str:
     """The commit of the last call that trained, and how many runs each commit trained when the json holds runs of
     several calls (runs trained before 2026-12-03's per-run record do not name theirs; each call's log header does)."""
-    last = results.get("commit", project_commit())
+    last = results.get("commit") or project_commit()
     counts = Counter(run.get("commit", "not recorded") for run in results["runs"].values())
     if set(counts) <= {last}:
         return last
@@ -375,13 +374,13 @@ def plot_training_gaps(path: str, arms: List[str], runs: dict, seeds: int, windo
     middle = [(lo + hi) / 2 for lo, hi in bounds]
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for index, (arm, per_seed) in enumerate(gaps.items()):
-        colour = "grey" if arm == CONTROL_ARM else f"C{index}"
+        colour = "grey" if arm == CONTROL_ARM else f"C{index + (index >= 7)}"  # C7 is the default cycle's grey
         for values in per_seed.values():
             ax.plot(middle, values, color=colour, alpha=0.25, linewidth=0.8)
         mean = [statistics.mean(window) for window in zip(*per_seed.values())]
         ax.plot(middle, mean, color=colour, linewidth=2.2, label=f"{arm} (mean of {len(per_seed)} seeds)")
     ax.axhline(0, color="black", linewidth=0.6)
-    ax.set_xlabel(f"step (windows of {bounds[0][1] - bounds[0][0]} steps)")
+    ax.set_xlabel(f"step (the middle of each window of about {bounds[0][1] - bounds[0][0]} steps)")
     ax.set_ylabel(f"training loss vs {arms[0]} (%)")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)

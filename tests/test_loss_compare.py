@@ -246,6 +246,11 @@ def test_the_plot_draws_the_gaps_of_every_seed_beside_the_report(tmp_path, monke
     loss_compare.main(flags)
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and plot.stat().st_size > 10_000
     assert "![training-loss gaps per window](plots/gaps.png)" in (tmp_path / "made.md").read_text()
+    short = {k: dict(r, train=r["train"][:20]) for k, r in runs.items()}  # fewer steps than the plot's 50 windows
+    path.write_text(json.dumps({"setup": dict(setup, steps=20), "runs": short}))
+    plot.unlink()
+    loss_compare.main([f if f != "100" else "20" for f in flags])
+    assert not plot.exists() and "![training-loss gaps" not in (tmp_path / "made.md").read_text()  # no dangling link
     real_find_spec = loss_compare.importlib.util.find_spec
     monkeypatch.setattr(
         loss_compare.importlib.util, "find_spec", lambda name: None if name == "matplotlib" else real_find_spec(name)
