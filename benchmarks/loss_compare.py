@@ -20,9 +20,11 @@ messages through the codec (``benchmarks/tp_loopback.py``; on CPU it gives a rea
 as fast as TP=1. Arm ``none`` is megatron-core's stock linears (with ``--tp-loopback``: TP=2's uncompressed
 arithmetic, the partial sums rounded to bf16 before they add); ``tp1`` (``--tp-loopback`` only) is the control:
 uncompressed with TP=1's arithmetic, so its difference from ``none`` measures how far two equally exact runs drift
-apart (the noise floor a TACO arm's difference must be read against); ``MODE[/BWD_MODE][+sr]`` is
-TACO with MODE on the forward traffic, BWD_MODE on the gradients (default MODE) and stochastic rounding of the
-gradients' 4-bit codes with ``+sr``, every message compressed (no link policy: a loss study must compress).
+apart (the noise floor a TACO arm's difference must be read against); ``MODE[/BWD_MODE][+sr][@OVERRIDE]...`` is
+TACO with MODE on the forward traffic, BWD_MODE on the gradients (default MODE), stochastic rounding of the
+gradients' 4-bit codes with ``+sr`` and each ``@OVERRIDE`` as a ``--taco-override``
+(``int4-ash/fp8-ash@1,8:mode=fp8-ash``: FP8 in layers 1 and 8), every message compressed (no link policy: a loss
+study must compress).
 Seed s sets the initialisation and the order of the training data, the same for every arm; the data is real
 text (the Python standard library's sources, byte-level, or with ``--vocab-size V`` a BPE vocabulary of V tokens
 trained on the training split), validation on held-out files. Byte-level gpt-25m at 1000 steps ends in the steep
@@ -62,7 +64,7 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 import yaml
 
-from megatron_taco.config.taco import LinearSettings, TacoConfig
+from megatron_taco.config.taco import TacoConfig, add_taco_args, taco_config_from_args
 from megatron_taco.testing.distributed import run_distributed
 from megatron_taco.training.data import cache_stdlib_text, stdlib_text_batches
 from megatron_taco.training.loop import TrainConfig, Trainer
@@ -115,14 +117,18 @@ CONTROL_ARM = "tp1"
 
 
 def arm_config(arm: str) -> Optional[TacoConfig]:
-    """``none`` and the control arm -> None (stock linears); ``MODE[/BWD_MODE][+sr]`` -> TACO on every linear
-    and message."""
+    """``none`` and the control arm -> None (stock linears); ``MODE[/BWD_MODE][+sr][@OVERRIDE]...`` -> TACO on every
+    message, read by the product's own flags: --taco-mode MODE --taco-bwd-mode BWD_MODE [--taco-stochastic-rounding]
+    --taco-override OVERRIDE (each, e.g. ``int4-ash/fp8-ash@1,8:mode=fp8-ash``: FP8 in layers 1 and 8) with
+    --taco-min-bytes 0. A mistake raises the flag's own one-line error."""
     if arm in ("none", CONTROL_ARM):
         return None
-    text, stochastic = (arm[: -len("+sr")], True) if arm.endswith("+sr") else (arm, False)
+    text, *overrides = arm.split("@")
+    text, stochastic = (text[: -len("+sr")], True) if text.endswith("+sr") else (text, False)
     mode, _, bwd_mode = text.partition("/")
-    settings = LinearSettings(mode=mode, bwd_mode=bwd_mode or None, stochastic_bwd=stochastic)
-    return TacoConfig(default=settings, min_bytes=0)
+    flags = ["--taco-mode", mode, "--taco-min-bytes", "0"] + (["--taco-bwd-mode", bwd_mode] if bwd_mode else [])
+    flags += ["--taco-stochastic-rounding"] * stochastic + [f for o in overrides for f in ("--taco-override", o)]
+    return taco_config_from_args(add_taco_args(argparse.ArgumentParser(add_help=False)).parse_args(flags))
 
 
 def paired_interval(differences: Sequence[float]) -> Tuple[float, float, float, float]:

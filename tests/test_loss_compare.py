@@ -5,6 +5,8 @@ import statistics
 
 import pytest
 
+from megatron_taco.config.taco import LinearSettings, TacoConfig
+
 from benchmarks import loss_compare
 
 
@@ -18,9 +20,20 @@ def test_paired_interval_is_the_t_interval_of_the_mean():
 
 def test_arms_name_taco_settings():
     assert loss_compare.arm_config("none") is None
-    settings = loss_compare.arm_config("fp4-ash/fp8-ash+sr").default
-    assert (settings.mode, settings.bwd_mode, settings.stochastic_bwd) == ("fp4-ash", "fp8-ash", True)
+    settings = loss_compare.arm_config("fp4-ash/int4-ash+sr").default
+    assert (settings.mode, settings.bwd_mode, settings.stochastic_bwd) == ("fp4-ash", "int4-ash", True)
     assert loss_compare.arm_config("fp8-ash").min_bytes == 0  # every message compressed
+    # read by the product's flags: the plain arms give the configs the studies so far trained with
+    assert loss_compare.arm_config("int4-ash/fp8-ash") == TacoConfig(
+        default=LinearSettings(mode="int4-ash", bwd_mode="fp8-ash"), min_bytes=0
+    )
+    edges = loss_compare.arm_config("int4-ash/fp8-ash@1,8:mode=fp8-ash@2:linears=fc1+fc2")
+    assert [edges.for_layer(n).mode_for("fwd") for n in (1, 2, 3, 8)] == ["fp8-ash", "int4-ash", "int4-ash", "fp8-ash"]
+    assert edges.for_layer(1).mode_for("bwd") == "fp8-ash" and edges.for_layer(2).linears == {"fc1", "fc2"}
+    with pytest.raises(ValueError, match="--taco-override: unknown key 'mod'"):
+        loss_compare.arm_config("int4-ash@1:mod=none")
+    with pytest.raises(ValueError, match="--taco-mode: invalid value 'int3'"):
+        loss_compare.arm_config("int3")
 
 
 def test_a_tiny_comparison_trains_every_run_once_and_resumes(tmp_path, capsys):
