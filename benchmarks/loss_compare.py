@@ -489,7 +489,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         parser.error(f"--arms: {CONTROL_ARM!r} (TP=1's arithmetic as a noise-floor control) needs --tp-loopback")
     for arm in arms:
         try:
-            arm_config(arm)
+            config = arm_config(arm)
+            if config is not None:  # an override's layers must exist in the model (else every run fails)
+                config.check_layers(MODELS[args.model].num_layers)
         except ValueError as exc:
             parser.error(f"--arms: {arm!r}: {exc}")
     for goal in args.goal:

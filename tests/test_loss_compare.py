@@ -18,7 +18,7 @@ def test_paired_interval_is_the_t_interval_of_the_mean():
     assert loss_compare.paired_interval([0.4, 0.4])[2:] == pytest.approx((0.4, 0.4))  # no spread, no width
 
 
-def test_arms_name_taco_settings():
+def test_arms_name_taco_settings(tmp_path, capsys):
     assert loss_compare.arm_config("none") is None
     settings = loss_compare.arm_config("fp4-ash/int4-ash+sr").default
     assert (settings.mode, settings.bwd_mode, settings.stochastic_bwd) == ("fp4-ash", "int4-ash", True)
@@ -34,6 +34,12 @@ def test_arms_name_taco_settings():
         loss_compare.arm_config("int4-ash@1:mod=none")
     with pytest.raises(ValueError, match="--taco-mode: invalid value 'int3'"):
         loss_compare.arm_config("int3")
+    flags = ["--model", "gpt-tiny", "--device", "cpu", "--json", str(tmp_path / "x.json"), "--tp-loopback", "--steps",
+             "2", "--warmup", "0", "--eval-iters", "1", "--micro-batch-size", "2", "--arms", "none;int4-ash@9:mode=none"]  # fmt: skip
+    with pytest.raises(SystemExit):  # gpt-tiny has 4 layers: one line before any run starts
+        loss_compare.main(flags)
+    assert "--taco-override: layer range 9-9 exceeds the model's 4 layers" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
 
 
 def test_a_tiny_comparison_trains_every_run_once_and_resumes(tmp_path, capsys):
