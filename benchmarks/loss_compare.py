@@ -240,7 +240,8 @@ def report(args, results: dict, image: Optional[str] = None) -> List[str]:
     lines = [
         f"# Loss comparison: {args.model}, {', '.join(arms)}",
         "",
-        f"- Command: `{results.get('command', _command(args))}`",
+        f"- Command: `{results.get('command', _command(args))}`"
+        + (f" (the last call that trained); this report: `{_command(args)}`" if args.report_only else ""),
         f"- Commit: {_commits(results)}; date {results.get('date')}; hardware: {results.get('hardware')}; "
         f"torch {results.get('torch', torch.__version__)}",
         f"- Model: {args.model} ({_parameter_counts(results)} parameters), {dataclasses.asdict(shape)}",
@@ -257,7 +258,7 @@ def report(args, results: dict, image: Optional[str] = None) -> List[str]:
         "| goal (upper end <=) |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    goals = dict(goal.split("=") for goal in args.goal)
+    goals = dict(goal.rsplit("=", 1) for goal in args.goal)
     runs = results["runs"]
     floor = _control_interval(arms, runs, args.seeds)
     for arm in arms:
@@ -410,6 +411,13 @@ def _control_interval(arms: List[str], runs: dict, seeds: int) -> Optional[Tuple
     )
 
 
+def _is_number(text: str) -> bool:
+    try:
+        return math.isfinite(float(text))
+    except ValueError:
+        return False
+
+
 def _verdict(goal: Optional[str], low: float, high: float, floor: Optional[Tuple[float, ...]]) -> str:
     """An arm against its goal (the upper end of its interval must stay under it): met; missed (its interval is
     all above the goal, or the control shows the set-up could resolve it); or not shown (the control's own
@@ -491,11 +499,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         try:
             config = arm_config(arm)
             if config is not None:  # an override's layers must exist in the model (else every run fails)
-                config.check_layers(MODELS[args.model].num_layers)
+                config.for_model(MODELS[args.model].num_layers)
         except ValueError as exc:
             parser.error(f"--arms: {arm!r}: {exc}")
     for goal in args.goal:
-        if goal.count("=") != 1 or goal.split("=")[0] not in arms:
+        arm, _, percent = goal.rpartition("=")  # an override arm holds "=" itself
+        if arm not in arms or not _is_number(percent):
             parser.error(f"--goal {goal!r}: expected ARM=PERCENT with ARM one of {arms}")
     report_path = args.report or os.path.splitext(args.json)[0] + ".md"
     results = {"runs": {}}

@@ -38,7 +38,7 @@ def test_arms_name_taco_settings(tmp_path, capsys):
              "2", "--warmup", "0", "--eval-iters", "1", "--micro-batch-size", "2", "--arms", "none;int4-ash@9:mode=none"]  # fmt: skip
     with pytest.raises(SystemExit):  # gpt-tiny has 4 layers: one line before any run starts
         loss_compare.main(flags)
-    assert "--taco-override: layer range 9-9 exceeds the model's 4 layers" in capsys.readouterr().err
+    assert "--taco-override: layer range 9 exceeds the model's 4 layers" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
 
 
@@ -63,7 +63,9 @@ def test_a_tiny_comparison_trains_every_run_once_and_resumes(tmp_path, capsys):
     assert "rewritten from 4 runs" in capsys.readouterr().out
     report = (tmp_path / "runs.md").read_text()
     assert "| none | 2 |" in report and "fp8-ash |" not in report
-    assert "--report-only" not in report and "--steps 2" in report  # the command that trained the runs
+    trained, rewritten = report.split("\n")[2].split(" (the last call that trained); this report: ")
+    assert "--report-only" not in trained and "--steps 2" in trained  # the command that trained the runs
+    assert "--report-only --arms none`" in rewritten  # and the one that wrote this report
     longer = list(flags)
     longer[longer.index("--steps") + 1] = "3"
     with pytest.raises(SystemExit, match="holds runs of another set-up"):
@@ -178,7 +180,7 @@ def test_a_warm_up_as_long_as_the_run_is_one_line_naming_the_flag(study, tmp_pat
     assert not (tmp_path / "x.json").exists()
 
 
-def test_a_goal_inside_the_controls_spread_reads_not_shown(tmp_path):
+def test_a_goal_inside_the_controls_spread_reads_not_shown(tmp_path, capsys):
     """The report reads each goal against the control: an arm whose interval straddles its goal while the control's
     own interval reaches past it is 'not shown' (the set-up cannot tell), not 'missed'; an interval wholly above
     the goal is missed; without a control the straddling arm is missed."""
@@ -197,10 +199,19 @@ def test_a_goal_inside_the_controls_spread_reads_not_shown(tmp_path):
     flags = ["--model", "gpt-tiny", "--seeds", "3", "--steps", "2", "--micro-batches", "1", "--micro-batch-size", "2",
              "--device", "cpu", "--json", str(path), "--tp-loopback", "--report-only", "--goal", "fp8-ash=0.25",
              "--goal", "int4-ash=0.5"]  # fmt: skip
-    loss_compare.main(flags + ["--arms", "none;fp8-ash;int4-ash;tp1"])
+    edge = "int4-ash@1:mode=fp8-ash"  # an override arm: its goal's ARM holds "=" too
+    runs.update({f"{edge} | seed {s}": {"train": [2.0], "valid": v, "parameters": 1} for s, v in enumerate([1.0] * 3)})
+    path.write_text(json.dumps({"setup": setup, "runs": runs}))
+    loss_compare.main(flags + ["--arms", f"none;fp8-ash;int4-ash;tp1;{edge}", "--goal", f"{edge}=0.5"])
     report = (tmp_path / "made.md").read_text()
     assert "| +0.25%: not shown (the control reaches +" in report
     assert "| +0.5%: missed |" in report
+    assert f"| {edge} | 3 |" in report and "| +0.5%: met |" in report
+    without_goals = flags[: flags.index("--goal")]
+    for bad in ("fp8-ash=half", "fp8=0.25", "fp8-ash"):  # one line naming the flag, not a traceback
+        with pytest.raises(SystemExit):
+            loss_compare.main(without_goals + ["--arms", "none;fp8-ash", "--goal", bad])
+        assert f"--goal {bad!r}: expected ARM=PERCENT" in capsys.readouterr().err
     assert "Noise floor: the control `tp1`" in report
     loss_compare.main(flags + ["--arms", "none;fp8-ash;int4-ash"])  # no control: nothing to read it against
     report = (tmp_path / "made.md").read_text()
