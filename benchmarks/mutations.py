@@ -211,7 +211,7 @@ MUTATIONS = [  # (what, file, text, replaced by, tests, -k) or file None: SCALE_
     (
         "--taco-layers checked only at model build",
         "megatron_taco/training/loop.py",
-        "            self.taco.check_layers(self.shape.num_layers)",
+        "            self.taco.for_model(self.shape.num_layers)",
         "            pass",
         "tests/test_cli_errors.py",
         "",

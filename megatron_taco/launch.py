@@ -90,7 +90,7 @@ def check_megatron_args(args: argparse.Namespace):
     cfg = taco_config_from_args(args)
     if not cfg.enabled:
         return cfg
-    cfg.check_layers(args.num_layers)
+    cfg = cfg.for_model(args.num_layers)
     check_backend_runs_here(cfg.backend)
     if getattr(args, "tp_comm_overlap", False):
         raise TacoConfigError(

@@ -182,7 +182,7 @@ def test_each_config_family_raises_its_own_error_type():
 
     taco_flags = add_taco_args(argparse.ArgumentParser()).parse_args(["--taco-mode", "fp8", "--taco-layers", "2-9"])
     with pytest.raises(TacoConfigError):
-        taco_config_from_args(taco_flags).check_layers(3)
+        taco_config_from_args(taco_flags).for_model(3)
     with pytest.raises(MaplConfigError):
         MaplConfig(context_anchors=-1)
     with pytest.raises(TrainConfigError):

@@ -451,4 +451,25 @@ def test_valid_flags_resolve_per_layer():
     assert not cfg.for_layer(6).enabled and cfg.for_layer(10).enabled
     assert _parse([]).enabled is False and _parse([]).min_bytes is None
     with pytest.raises(TacoConfigError, match="--taco-layers: layer range 9-12 exceeds the model's 8 layers"):
-        cfg.check_layers(8)
+        cfg.for_model(8)
+
+
+def test_last_names_the_models_last_layer_once_the_model_is_known():
+    """The best measured 4-bit setting keeps the edge layers at FP8 (loss_compare_gpt25m_bpe8192.md): '1,last' says
+    so for any depth; 'all' in an override reaches the last layer, not past it."""
+    cfg = _parse(["--taco-mode", "int4-ash", "--taco-bwd-mode", "fp8-ash", "--taco-override", "1,last:mode=fp8-ash"])
+    with pytest.raises(ValueError, match="for_model"):  # never silently skipped before the model is known
+        cfg.for_layer(1)
+    for layers in (8, 32):
+        model = cfg.for_model(layers)
+        modes = [model.for_layer(n).mode for n in range(1, layers + 1)]
+        assert modes == ["fp8-ash"] + ["int4-ash"] * (layers - 2) + ["fp8-ash"]
+        assert {model.for_layer(n).mode_for("bwd") for n in range(1, layers + 1)} == {"fp8-ash"}
+    tail = _parse(["--taco-mode", "fp8-ash", "--taco-layers", "5-last"]).for_model(6)
+    assert [tail.for_layer(n).enabled for n in range(1, 7)] == [False] * 4 + [True] * 2
+    assert _parse(["--taco-mode", "fp8", "--taco-override", "all:mode=none"]).for_model(4).for_layer(4).mode == "none"
+    with pytest.raises(TacoConfigError, match="--taco-layers: layer range 5-last is empty in a model of 4 layers"):
+        _parse(["--taco-mode", "fp8-ash", "--taco-layers", "5-last"]).for_model(4)
+    for bad in ("last-3", "0-last", "first"):
+        with pytest.raises(TacoConfigError, match="--taco-layers: invalid layer range"):
+            _parse(["--taco-mode", "fp8-ash", "--taco-layers", bad])

@@ -36,6 +36,7 @@ DIRECTIONS = ("fwd", "bwd", "both")
 SCALES = tuple(SCALE_MODES)
 FORMATS = tuple(FP8_FORMATS)
 _SIZE_SUFFIX = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+LAST = -1  # 'last' in a layer range, until the model's layer count is known (TacoConfig.for_model)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +99,8 @@ class TacoConfig:
 
     def for_layer(self, layer_number: int) -> LinearSettings:
         """Settings of a 1-based global layer: the last matching override, else the default if selected."""
+        if any(LAST in bounds for ranges in [self.layers or ()] + [r for r, _ in self.overrides] for bounds in ranges):
+            raise ValueError("a layer range names 'last': resolve it with TacoConfig.for_model(num_layers) first")
         for ranges, settings in reversed(self.overrides):
             if _in_ranges(layer_number, ranges):
                 return settings
@@ -105,14 +108,25 @@ class TacoConfig:
             return self.default
         return dataclasses.replace(self.default, mode="none", bwd_mode=None)
 
-    def check_layers(self, num_layers: int) -> None:
-        """Fail when a layer range names layers the model does not have."""
-        for flag, ranges in [("--taco-layers", self.layers or ())] + [
-            ("--taco-override", r) for r, _ in self.overrides
-        ]:
-            for start, end in ranges:
+    def for_model(self, num_layers: int) -> "TacoConfig":
+        """This config for a model of ``num_layers`` layers: 'last' becomes its number; fails when a layer range
+        names layers the model does not have."""
+
+        def resolve(flag: str, ranges: Tuple[Tuple[int, int], ...]) -> Tuple[Tuple[int, int], ...]:
+            resolved = tuple(tuple(num_layers if n == LAST else n for n in bounds) for bounds in ranges)
+            for (start, end), written in zip(resolved, ranges):
+                text = "-".join(dict.fromkeys("last" if n == LAST else str(n) for n in written))
                 if end > num_layers:
-                    raise TacoConfigError(f"{flag}: layer range {start}-{end} exceeds the model's {num_layers} layers")
+                    raise TacoConfigError(f"{flag}: layer range {text} exceeds the model's {num_layers} layers")
+                if start > end:
+                    raise TacoConfigError(f"{flag}: layer range {text} is empty in a model of {num_layers} layers")
+            return resolved
+
+        return dataclasses.replace(
+            self,
+            layers=None if self.layers is None else resolve("--taco-layers", self.layers),
+            overrides=tuple((resolve("--taco-override", r), settings) for r, settings in self.overrides),
+        )
 
 
 def _in_ranges(layer: int, ranges: Sequence[Tuple[int, int]]) -> bool:
@@ -120,18 +134,20 @@ def _in_ranges(layer: int, ranges: Sequence[Tuple[int, int]]) -> bool:
 
 
 def parse_layer_ranges(text: str, flag: str) -> Optional[Tuple[Tuple[int, int], ...]]:
-    """'all' -> None; '1-4,9,11-12' -> ((1, 4), (9, 9), (11, 12)). Layers are 1-based."""
+    """'all' -> None; '1-4,9,11-12' -> ((1, 4), (9, 9), (11, 12)). Layers are 1-based; 'last' is the model's last
+    layer (``LAST`` until :meth:`TacoConfig.for_model` knows the model), e.g. '1,last' or '5-last'."""
     text = text.strip()
     if text == "all":
         return None
     ranges = []
     for part in text.split(","):
-        match = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+))?\s*", part)
+        match = re.fullmatch(r"\s*(\d+|last)\s*(?:-\s*(\d+|last))?\s*", part)
         if not match:
-            raise TacoConfigError(f"{flag}: invalid layer range {part!r} in {text!r} (use e.g. 'all' or '1-4,9-12')")
-        start = int(match.group(1))
-        end = int(match.group(2) or start)
-        if start < 1 or end < start:
+            raise TacoConfigError(
+                f"{flag}: invalid layer range {part!r} in {text!r} (use e.g. 'all', '1-4,9-12' or '1,last')"
+            )
+        start, end = (LAST if n == "last" else int(n) for n in (match.group(1), match.group(2) or match.group(1)))
+        if 0 in (start, end) or (LAST not in (start, end) and end < start) or start == LAST != end:
             raise TacoConfigError(f"{flag}: invalid layer range {part.strip()!r}: layers are 1-based and start <= end")
         ranges.append((start, end))
     return tuple(ranges)
@@ -176,7 +192,7 @@ def _parse_override(text: str, base: LinearSettings) -> Tuple[Tuple[Tuple[int, i
     if ":" not in text:
         raise TacoConfigError(f"{flag}: invalid value {text!r}; use RANGES:key=value[,key=value] e.g. '1-2:mode=none'")
     range_text, settings_text = text.split(":", 1)
-    ranges = parse_layer_ranges(range_text, flag) or ((1, 1 << 30),)
+    ranges = parse_layer_ranges(range_text, flag) or ((1, LAST),)
     changes: Dict[str, object] = {}
     for item in settings_text.split(","):
         if "=" not in item:

@@ -118,10 +118,10 @@ def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> 
 
     for chunk in model_chunks:
         gpt = unwrap(chunk)
-        config.check_layers(gpt.config.num_layers)
+        resolved = config.for_model(gpt.config.num_layers)
         for layer in gpt.decoder.layers:
             number = layer.layer_number
-            settings = config.for_layer(number)
+            settings = resolved.for_layer(number)
             uncovered = _uncovered(layer)
             for part in uncovered.values():
                 stock.setdefault(part, []).append(number)

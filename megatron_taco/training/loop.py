@@ -98,7 +98,7 @@ class TrainConfig:
                     f"--pipeline-model-parallel-size {self.pipeline_parallel}"
                 )
         if self.taco is not None:
-            self.taco.check_layers(self.shape.num_layers)  # at start-up, not when the model is built
+            self.taco.for_model(self.shape.num_layers)  # the layer ranges checked at start-up, not at model build
         if self.mapl is not None:
             self.mapl_widths  # validates the MAPL settings against the layout
             self.mapl_position_anchors  # and against the model's position embedding
