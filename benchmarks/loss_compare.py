@@ -54,6 +54,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import shlex
 import statistics
 import time
@@ -240,8 +241,12 @@ def report(args, results: dict, image: Optional[str] = None) -> List[str]:
     lines = [
         f"# Loss comparison: {args.model}, {', '.join(arms)}",
         "",
-        f"- Command: `{results.get('command', _command(args))}`"
-        + (f" (the last call that trained); this report: `{_command(args)}`" if args.report_only else ""),
+        (
+            f"- Command: `{results.get('command', 'not recorded')}` (the last call that trained); this report: "
+            f"`{_command(args)}`"
+            if args.report_only
+            else f"- Command: `{results.get('command', _command(args))}`"
+        ),
         f"- Commit: {_commits(results)}; date {results.get('date')}; hardware: {results.get('hardware')}; "
         f"torch {results.get('torch', torch.__version__)}",
         f"- Model: {args.model} ({_parameter_counts(results)} parameters), {dataclasses.asdict(shape)}",
@@ -411,13 +416,6 @@ def _control_interval(arms: List[str], runs: dict, seeds: int) -> Optional[Tuple
     )
 
 
-def _is_number(text: str) -> bool:
-    try:
-        return math.isfinite(float(text))
-    except ValueError:
-        return False
-
-
 def _verdict(goal: Optional[str], low: float, high: float, floor: Optional[Tuple[float, ...]]) -> str:
     """An arm against its goal (the upper end of its interval must stay under it): met; missed (its interval is
     all above the goal, or the control shows the set-up could resolve it); or not shown (the control's own
@@ -460,7 +458,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         "--tp-loopback", action="store_true", help="each run's two TP ranks computed in one process (1 GPU)"
     )
     parser.add_argument("--parallel", type=int, default=1, help="process pairs at a time")
-    parser.add_argument("--goal", action="append", default=[], help="ARM=PERCENT: the upper end it must stay under")
+    parser.add_argument(
+        "--goal", action="append", default=[], help="ARM=PERCENT (e.g. fp8-ash=0.25): the upper end it must stay under"
+    )
     parser.add_argument("--json", required=True, help="results so far (read to resume, rewritten after every run)")
     parser.add_argument("--report", help="markdown report (default: --json with .md)")
     parser.add_argument(
@@ -504,7 +504,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             parser.error(f"--arms: {arm!r}: {exc}")
     for goal in args.goal:
         arm, _, percent = goal.rpartition("=")  # an override arm holds "=" itself
-        if arm not in arms or not _is_number(percent):
+        if arm not in arms or not re.fullmatch(r"\d+(\.\d+)?", percent):  # a percentage, e.g. 0.5
             parser.error(f"--goal {goal!r}: expected ARM=PERCENT with ARM one of {arms}")
     report_path = args.report or os.path.splitext(args.json)[0] + ".md"
     results = {"runs": {}}

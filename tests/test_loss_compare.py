@@ -208,7 +208,8 @@ def test_a_goal_inside_the_controls_spread_reads_not_shown(tmp_path, capsys):
     assert "| +0.5%: missed |" in report
     assert f"| {edge} | 3 |" in report and "| +0.5%: met |" in report
     without_goals = flags[: flags.index("--goal")]
-    for bad in ("fp8-ash=half", "fp8=0.25", "fp8-ash"):  # one line naming the flag, not a traceback
+    bad_goals = ("fp8-ash=half", "fp8=0.25", "fp8-ash", "fp8-ash=-0.5", "fp8-ash=nan")
+    for bad in bad_goals:  # one line naming the flag, not a traceback
         with pytest.raises(SystemExit):
             loss_compare.main(without_goals + ["--arms", "none;fp8-ash", "--goal", bad])
         assert f"--goal {bad!r}: expected ARM=PERCENT" in capsys.readouterr().err

@@ -100,7 +100,10 @@ class TacoConfig:
     def for_layer(self, layer_number: int) -> LinearSettings:
         """Settings of a 1-based global layer: the last matching override, else the default if selected."""
         if any(LAST in bounds for ranges in [self.layers or ()] + [r for r, _ in self.overrides] for bounds in ranges):
-            raise ValueError("a layer range names 'last': resolve it with TacoConfig.for_model(num_layers) first")
+            raise ValueError(
+                "a layer range names 'last' (an override over 'all' does too): resolve it with "
+                "TacoConfig.for_model(num_layers) first"
+            )
         for ranges, settings in reversed(self.overrides):
             if _in_ranges(layer_number, ranges):
                 return settings
@@ -148,7 +151,10 @@ def parse_layer_ranges(text: str, flag: str) -> Optional[Tuple[Tuple[int, int], 
             )
         start, end = (LAST if n == "last" else int(n) for n in (match.group(1), match.group(2) or match.group(1)))
         if 0 in (start, end) or (LAST not in (start, end) and end < start) or start == LAST != end:
-            raise TacoConfigError(f"{flag}: invalid layer range {part.strip()!r}: layers are 1-based and start <= end")
+            raise TacoConfigError(
+                f"{flag}: invalid layer range {part.strip()!r}: layers are 1-based, start <= end, and 'last' can only "
+                "end a range"
+            )
         ranges.append((start, end))
     return tuple(ranges)
 
@@ -227,7 +233,11 @@ def add_taco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="round the gradient traffic's 4-bit codes stochastically (unbiased; needs a 4-bit --taco-bwd-mode "
         "or --taco-mode)",
     )
-    group.add_argument("--taco-layers", default="all", help="layers to compress: 'all' or ranges like '1-4,9-12'")
+    group.add_argument(
+        "--taco-layers",
+        default="all",
+        help="layers to compress: 'all' or ranges like '1-4,9-12' or '1,last' ('last': the model's last layer)",
+    )
     group.add_argument(
         "--taco-linears",
         default="qkv,proj,fc1,fc2",
@@ -241,8 +251,8 @@ def add_taco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--taco-override",
         action="append",
         default=[],
-        help="per-range settings, repeatable: 'RANGES:key=value,...', keys mode, linears, direction, "
-        "group_size, fmt, scales, bwd_mode; e.g. '1-2:mode=none'",
+        help="per-range settings, repeatable: 'RANGES:key=value,...' (RANGES as --taco-layers), keys mode, linears, "
+        "direction, group_size, fmt, scales, bwd_mode; e.g. '1-2:mode=none' or '1,last:mode=fp8-ash'",
     )
     group.add_argument(
         "--taco-min-bytes",
