@@ -67,6 +67,16 @@ def test_launcher_adds_flags_and_attaches_chosen_layers(tmp_path):
     assert "megatron_taco: megatron-core" in proc.stdout
 
 
+def test_launcher_resolves_last_to_the_models_last_layer(tmp_path):
+    """The best measured 4-bit setting (INT4 forward, the first and last layers at FP8) as a user writes it."""
+    flags = ["--taco-mode", "int4-ash", "--taco-bwd-mode", "fp8-ash", "--taco-override", "1,last:mode=fp8-ash"]
+    proc, report = _launch(tmp_path, *flags)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [layer["fc2_fwd_format"] for layer in report["layers"]] == ["e4m3", "int4", "e4m3"]
+    proc, _ = _launch(tmp_path, "--taco-mode", "fp8", "--taco-layers", "4-last")
+    assert proc.returncode == 2 and "--taco-layers: layer range 4-last is empty in a model of 3 layers" in proc.stderr
+
+
 def test_launcher_without_taco_flags_keeps_stock_behaviour(tmp_path):
     proc, report = _launch(tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

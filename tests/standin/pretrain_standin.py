@@ -9,6 +9,7 @@ it got (the parsed TACO flags, the attached settings, the norms) as JSON.
 
 import json
 import socket
+from typing import Optional
 
 import torch.distributed as dist
 from megatron.core import parallel_state
@@ -24,6 +25,13 @@ from megatron_taco.megatron.specs import LOCAL_SPEC_CONFIG
 def extra_args(parser):
     parser.add_argument("--standin-out", required=True)
     return parser
+
+
+def _forward_format(linear) -> Optional[str]:
+    """What the linear's forward traffic travels as (e4m3, int4, e2m1); None when it is not compressed."""
+    compression = getattr(linear, "taco", None)
+    codec = compression.fwd_codec if compression is not None else None
+    return codec.settings.fmt if codec is not None else None
 
 
 def main():
@@ -48,6 +56,7 @@ def main():
             {
                 "qkv_compressed": getattr(layer.self_attention.linear_qkv, "taco", None) is not None,
                 "fc2_compressed": getattr(layer.mlp.linear_fc2, "taco", None) is not None,
+                "fc2_fwd_format": _forward_format(layer.mlp.linear_fc2),
             }
             for layer in model.decoder.layers
         ],
