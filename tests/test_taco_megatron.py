@@ -81,7 +81,7 @@ def _selection_worker(taco):
     trainer = Trainer(cfg)
     trainer.train_step(synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, 2, seed=1))
     trainer.close()
-    return trainer.taco_layers, {k: (r.calls, r.compressed_calls) for k, r in TELEMETRY.records.items()}
+    return trainer.taco_attached.layers, {k: (r.calls, r.compressed_calls) for k, r in TELEMETRY.records.items()}
 
 
 def test_per_layer_selection_compresses_exactly_the_chosen_layers():

@@ -36,14 +36,18 @@ _LINEAR_PATHS = {
 
 @dataclasses.dataclass
 class Attached:
-    """What :func:`attach_taco` did: the layers whose linear compresses, and the parts left stock."""
+    """What :func:`attach_taco` did: the layers whose linear compresses, their modes, and the parts left stock."""
 
     layers: Dict[str, List[int]]
     stock: List[str]
+    modes: Dict[str, List[int]] = dataclasses.field(default_factory=dict)  # mode (as describe_modes) -> layers
 
     def describe(self) -> str:
-        """One start-up line, e.g. ``qkv 1-8, proj 1-8, fc1 1-8, fc2 1-8; stock: layers 2,4 mlp (MoE experts)``."""
+        """One start-up line, e.g. ``qkv 1-8, proj 1-8, fc1 1-8, fc2 1-8; stock: layers 2,4 mlp (MoE experts)``;
+        where overrides give layers different modes, which ones: ``...; modes: int4-ash 2-7, fp8-ash 1,8``."""
         text = ", ".join(f"{name} {format_ranges(numbers) or '-'}" for name, numbers in self.layers.items())
+        if len(self.modes) > 1:
+            text += "; modes: " + ", ".join(f"{mode} {format_ranges(numbers)}" for mode, numbers in self.modes.items())
         return text + (f"; runs stock: {'; '.join(self.stock)}" if self.stock else "")
 
 
@@ -87,6 +91,7 @@ SEEDS_PER_RANK = 4096  # rank r's codecs have seeds r * SEEDS_PER_RANK + serial:
 def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> Attached:
     """Configure every transformer layer's linears; return what was compressed and what runs stock."""
     compressed: Dict[str, List[int]] = {name: [] for name in LINEARS}
+    modes: Dict[str, List[int]] = {}
     stock: Dict[str, List[int]] = {}
     codecs: Dict[tuple, TacoCodec] = {}
 
@@ -122,6 +127,8 @@ def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> 
         for layer in gpt.decoder.layers:
             number = layer.layer_number
             settings = resolved.for_layer(number)
+            if settings.enabled:
+                modes.setdefault(settings.describe_modes(), []).append(number)
             uncovered = _uncovered(layer)
             for part in uncovered.values():
                 stock.setdefault(part, []).append(number)
@@ -146,4 +153,5 @@ def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> 
                     compressed[name].append(number)
             for module, column, row in te_modules.values():
                 compress_te_linear(module, TeCompression(column, row) if column or row else None)
-    return Attached(compressed, [f"layers {format_ranges(sorted(numbers))} {part}" for part, numbers in stock.items()])
+    stock_parts = [f"layers {format_ranges(sorted(numbers))} {part}" for part, numbers in stock.items()]
+    return Attached(compressed, stock_parts, {mode: sorted(numbers) for mode, numbers in modes.items()})

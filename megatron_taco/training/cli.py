@@ -37,7 +37,6 @@ from megatron_taco.mapl.wire import describe_compression, wire_codec
 from megatron_taco.config.errors import ConfigError, TrainConfigError
 from megatron_taco.codec.taco import describe_backend
 from megatron_taco.config.taco import TacoConfigError, add_taco_args, check_backend_runs_here, taco_config_from_args
-from megatron_taco.megatron.attach import format_ranges
 from megatron_taco.megatron.telemetry import TELEMETRY, TrafficRecord
 from megatron_taco.training.checkpoint import check_saved_layout, latest_step, load_checkpoint, save_checkpoint
 from megatron_taco.training.data import byte_text_batches, stdlib_text_files, synthetic_batches
@@ -553,9 +552,8 @@ def _train(args: argparse.Namespace) -> List[float]:
         f"{cfg.lr_schedule_summary}"
     )
     if args.taco.enabled:
-        layers = {name: format_ranges(numbers) for name, numbers in trainer.taco_layers.items()}
         _log(
-            f"TACO {args.taco.default.describe_modes()} on this rank's layers {layers}; "
+            f"TACO {args.taco.default.describe_modes()} on this rank's layers: {trainer.taco_attached.describe()}; "
             f"min-bytes {'auto' if args.taco.min_bytes is None else args.taco.min_bytes}; codec "
             f"{describe_backend(args.taco.backend, device == 'cuda')}"
         )

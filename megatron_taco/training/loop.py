@@ -213,7 +213,7 @@ class Trainer:
             else []
         )
         self.mapl_boundaries = [b for stage in self._mapl_stages for b in stage.boundaries()]
-        self.taco_layers = attach_taco(chunks, cfg.taco).layers if cfg.taco is not None else {}
+        self.taco_attached = attach_taco(chunks, cfg.taco) if cfg.taco is not None else None
         if cfg.taco is not None:
             TELEMETRY.error_sample_interval = cfg.taco.error_sample_interval
         if dtype != torch.float32:  # Megatron's mixed precision: half params, fp32 logits and main params
