@@ -24,7 +24,9 @@ apart (the noise floor a TACO arm's difference must be read against); ``MODE[/BW
 TACO with MODE on the forward traffic, BWD_MODE on the gradients (default MODE), stochastic rounding of the
 gradients' 4-bit codes with ``+sr`` and each ``@OVERRIDE`` as a ``--taco-override``
 (``int4-ash/fp8-ash@1,8:mode=fp8-ash``: FP8 in layers 1 and 8), every message compressed (no link policy: a loss
-study must compress).
+study must compress). ``FIRST>STEP>THEN`` trains with arm FIRST (a TACO arm) for steps 1..STEP and THEN's settings
+after (``int4-ash/fp8-ash>800>fp8-ash``: 4-bit forward, FP8 for the last 200 steps of 1000; THEN may be ``none``):
+the lead that the 4-bit gaps open late in the decay of the learning rate.
 Seed s sets the initialisation and the order of the training data, the same for every arm; the data is real
 text (the Python standard library's sources, byte-level, or with ``--vocab-size V`` a BPE vocabulary of V tokens
 trained on the training split), validation on held-out files. Byte-level gpt-25m at 1000 steps ends in the steep
@@ -66,6 +68,7 @@ import torch
 import yaml
 
 from megatron_taco.config.taco import TacoConfig, add_taco_args, taco_config_from_args
+from megatron_taco.megatron.attach import attach_taco
 from megatron_taco.testing.distributed import run_distributed
 from megatron_taco.training.data import cache_stdlib_text, stdlib_text_batches
 from megatron_taco.training.loop import TrainConfig, Trainer
@@ -117,6 +120,19 @@ T_975 += (2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 
 CONTROL_ARM = "tp1"
 
 
+def arm_phases(arm: str) -> Tuple[Optional[TacoConfig], Optional[Tuple[int, TacoConfig]]]:
+    """The arm's settings from step 1, and for ``FIRST>STEP>THEN`` (STEP, THEN's settings after it; ``none``: every
+    linear stock). A mistake raises one line."""
+    first, *switch = arm.split(">")
+    if not switch:
+        return arm_config(arm), None
+    if len(switch) != 2 or not switch[0].isdigit() or int(switch[0]) < 1:
+        raise ValueError("a switch reads FIRST>STEP>THEN with STEP >= 1, e.g. int4-ash/fp8-ash>800>fp8-ash")
+    if arm_config(first) is None:
+        raise ValueError(f"a switch starts from a TACO arm, not {first!r}")
+    return arm_config(first), (int(switch[0]), arm_config(switch[1]) or TacoConfig())
+
+
 def arm_config(arm: str) -> Optional[TacoConfig]:
     """``none`` and the control arm -> None (stock linears); ``MODE[/BWD_MODE][+sr][@OVERRIDE]...`` -> TACO on every
     message, read by the product's own flags: --taco-mode MODE --taco-bwd-mode BWD_MODE [--taco-stochastic-rounding]
@@ -148,6 +164,7 @@ def _run(model: str, arm: str, seed: int, steps: int, micro_batches: int, micro_
          warmup: int, eval_iters: int, dtype: str, loopback: bool = False, vocab_size: int = 256) -> dict:  # fmt: skip
     """One training run on this process pair: per-step training losses and the final validation loss."""
     shape = dataclasses.replace(MODELS[model], vocab_size=vocab_size)
+    first, switch = arm_phases(arm)
     if torch.cuda.is_available():  # rank r on GPU r mod count (with gloo on one GPU: both on it)
         torch.cuda.set_device(torch.distributed.get_rank() % torch.cuda.device_count())
     cfg = TrainConfig(
@@ -163,7 +180,7 @@ def _run(model: str, arm: str, seed: int, steps: int, micro_batches: int, micro_
         lr_decay_iters=steps,
         min_lr=lr / 10,
         seed=1234 + seed,
-        taco=arm_config(arm),
+        taco=first,
     )
     trainer = Trainer(cfg)
     if loopback and arm != CONTROL_ARM:
@@ -180,6 +197,8 @@ def _run(model: str, arm: str, seed: int, steps: int, micro_batches: int, micro_
     losses = []
     with _nondeterministic_ops() as nondeterministic:
         for step in range(1, steps + 1):
+            if switch is not None and step == switch[0] + 1:  # the linears read their settings at every call
+                attach_taco(trainer.models, switch[1])
             losses.append(trainer.train_step(data)["loss"])
             if step % 250 == 0 and torch.distributed.get_rank() == 0:
                 print(f"  {_key(arm, seed)}: step {step}/{steps}, train loss {losses[-1]:.4f}, "
@@ -497,9 +516,12 @@ def main(argv: Optional[List[str]] = None) -> None:
         parser.error(f"--arms: {CONTROL_ARM!r} (TP=1's arithmetic as a noise-floor control) needs --tp-loopback")
     for arm in arms:
         try:
-            config = arm_config(arm)
-            if config is not None:  # an override's layers must exist in the model (else every run fails)
-                config.for_model(MODELS[args.model].num_layers)
+            first, switch = arm_phases(arm)
+            for config in (first, switch and switch[1]):
+                if config:  # an override's layers must exist in the model (else every run fails)
+                    config.for_model(MODELS[args.model].num_layers)
+            if switch is not None and switch[0] >= args.steps:
+                raise ValueError(f"the switch after step {switch[0]} comes after the last step ({args.steps})")
         except ValueError as exc:
             parser.error(f"--arms: {arm!r}: {exc}")
     for goal in args.goal:

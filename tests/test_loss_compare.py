@@ -116,6 +116,27 @@ def test_the_tp_loopback_trains_in_one_process_and_keeps_its_own_runs(tmp_path, 
     assert "no --backend" in capsys.readouterr().err
 
 
+def test_a_switch_arm_trains_first_with_one_setting_then_another(tmp_path, capsys):
+    """``FIRST>STEP>THEN``: FIRST's settings for steps 1..STEP, THEN's after. Switching to the same settings changes
+    nothing (the loopback's linears keep their two-rank arithmetic); switching to ``none`` changes the later steps
+    only."""
+    path = tmp_path / "switch.json"
+    arms = "fp8-ash;fp8-ash>1>fp8-ash;fp8-ash>1>none"
+    flags = ["--model", "gpt-tiny", "--arms", arms, "--seeds", "1", "--steps", "3", "--micro-batches", "1",
+             "--micro-batch-size", "2", "--warmup", "0", "--eval-iters", "1", "--device", "cpu", "--json", str(path),
+             "--tp-loopback"]  # fmt: skip
+    loss_compare.main(flags)
+    runs = json.loads(path.read_text())["runs"]
+    fp8, same, off = (runs[f"{arm} | seed 0"]["train"] for arm in arms.split(";"))
+    assert same == fp8
+    assert off[0] == fp8[0] and off[1:] != fp8[1:]
+    for bad, message in [("none>1>fp8-ash", "starts from a TACO arm"), ("fp8-ash>x>none", "FIRST>STEP>THEN"),
+                         ("fp8-ash>3>none", "comes after the last step"), ("fp8-ash>1>int3", "--taco-mode")]:  # fmt: skip
+        with pytest.raises(SystemExit):
+            loss_compare.main(flags[:3] + [bad] + flags[4:])
+        assert message in capsys.readouterr().err
+
+
 def test_a_run_names_the_ops_that_have_no_deterministic_implementation():
     import torch
 
