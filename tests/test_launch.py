@@ -175,3 +175,25 @@ def test_launcher_runs_the_scripts_own_checkout_and_says_which(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert f"megatron_taco: megatron-core {megatron.core.__version__} from {tmp_path}\n" in proc.stdout
     assert f"ran with {tmp_path}/megatron/core/__init__.py" in proc.stdout
+
+
+def test_every_megatron_lm_check_row_has_settings_the_flags_accept():
+    """scripts/megatron_lm_check.sh runs only on the GPU machine: a row naming TACO settings that do not exist, or
+    flags the product refuses, would cost a device call to find. Here every row's --taco-* flags parse."""
+    import argparse
+
+    from benchmarks import megatron_lm_check as check
+    from megatron_taco.config.taco import add_taco_args, taco_config_from_args
+
+    names = {row.name for row in check.ROWS}
+    assert all(name in names for suite in check.SUITES.values() for name in suite)
+    for row in check.ROWS:
+        flags = add_taco_args(argparse.ArgumentParser()).parse_args(check.TACO[row.taco])
+        taco_config_from_args(flags).for_model(8)
+    edges = taco_config_from_args(add_taco_args(argparse.ArgumentParser()).parse_args(check.TACO["int4-ash-edges"]))
+    assert [edges.for_model(8).for_layer(n).mode for n in (1, 2, 7, 8)] == [
+        "fp8-ash",
+        "int4-ash",
+        "int4-ash",
+        "fp8-ash",
+    ]
