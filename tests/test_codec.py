@@ -18,7 +18,7 @@ from megatron_taco.codec import TacoCodec, WireFormatError
 from megatron_taco.codec.baselines import GroupINT8, PerTensorFP8
 from megatron_taco.codec.format import FP8_FORMATS, HEADER_BYTES, CodecSettings
 from megatron_taco.testing import float64 as f64
-from megatron_taco.testing.tensors import DISTRIBUTIONS
+from megatron_taco.testing.tensors import DISTRIBUTIONS, near_underflow_groups
 
 GROUP_BOUND = {"e4m3": 2.0**-4, "e5m2": 2.0**-3}
 TENSOR_BOUND = {"e4m3": 0.035, "e5m2": 0.07}
@@ -164,6 +164,22 @@ def test_zero_group_decodes_to_exact_zeros(scales):
     codec = TacoCodec(scales=scales, backend="torch")
     x_hat = codec.decompress(codec.compress(x), x.shape)
     assert torch.equal(x_hat[1], torch.zeros(128))
+
+
+@pytest.mark.parametrize(
+    "fmt,transform,scales,bound",
+    [("e4m3", "ash", "fp32", 2.0**-4), ("e4m3", "none", "fp32", 2.0**-4), ("e4m3", "ash", "dual", 2.0**-4),
+     ("e5m2", "ash", "fp32", 2.0**-3), ("int4", "ash", "fp32", 0.16), ("e2m1", "ash", "fp32", 0.16)],
+)  # fmt: skip
+def test_a_near_underflow_group_decodes_within_its_formats_error(fmt, transform, scales, bound):
+    """Before the scale floor (reference.SCALE_FLOOR_EXPONENT) such groups decoded to NaN (E4M3, no transform:
+    0 * Inf) or at a relative error of 2.6 (E4M3 and E5M2 + Hadamard: every code +-M); now their error is the format's usual
+    (0.023-0.029 E4M3, 0.044-0.058 E5M2, 0.10-0.12 4-bit per group, observed)."""
+    x = near_underflow_groups(rows=4, seed=0)
+    codec = TacoCodec(128, fmt, transform, scales, backend="torch")
+    x_hat = codec.decompress(codec.compress(x), x.shape, x.dtype)
+    assert torch.isfinite(x_hat).all()
+    assert _group_rel_errors(x_hat, x, 128).max() <= bound
 
 
 def test_roundtrip_is_deterministic():

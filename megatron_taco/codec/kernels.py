@@ -44,6 +44,7 @@ from megatron_taco.codec.format import NAN_CODE, CodecSettings, header_words
 __all__ = ["LAUNCH_CONFIG", "compress_rows", "decompress_rows", "transform_rows"]
 
 _SCALE_MODE_IDS = {"fp32": 0, "dual": 1, "e8m0": 2, "e4m3": 3}
+SCALE_FLOOR = tl.constexpr(2.0**reference.SCALE_FLOOR_EXPONENT)  # s_q >= this with fp32 / dual scales
 # GPU launch shape, per kernel: (warps, elements per thread E; at least one access, at most G). Chosen from the sweep
 # in benchmarks/kernels.py (see benchmarks/results/kernels.md).
 LAUNCH_CONFIG = {"compress": (2, 32), "decompress_sum": (2, 32)}
@@ -335,9 +336,10 @@ def _compress_kernel(
         exponent = tl.minimum(tl.maximum(exponent, -126), 126)
         inverse = ((127 - exponent) << 23).to(tl.float32, bitcast=True)
     else:
-        s_q = tl.where(amax > 0, tl.math.div_rn(amax, fp8_max), 1.0)
+        floored = tl.maximum(amax, fp8_max * SCALE_FLOOR)  # M / amax stays finite (``reference.SCALE_FLOOR_EXPONENT``)
+        s_q = tl.where(amax > 0, tl.math.div_rn(floored, fp8_max), 1.0)
         s_q = tl.where(nonfinite, float("nan"), s_q)
-        inverse = tl.where(amax > 0, tl.math.div_rn(fp8_max, amax), 1.0)  # one IEEE division per group
+        inverse = tl.where(amax > 0, tl.math.div_rn(fp8_max, floored), 1.0)  # one IEEE division per group
     # one multiply per element; NaN over a non-finite group, which a GPU's FP8 cast writes as NAN_BYTE
     q = y * tl.where(nonfinite, float("nan"), inverse)[:, None]
 

@@ -14,6 +14,7 @@ Per group of G values x (fp32), with M the element format's maximum (448 for E4M
         s_a = clamp(M / sqrt(sum(x^2)/G + eps), 1e-3, 1e3)    adaptive scale
         y   = H(x) * (s_a / sqrt(G))                             = H(s_a x)/sqrt(G)
         s_q = max|y| / M ;  q = fp8(clamp(y * (M / max|y|), -M, M))   stores (s_q, s_a)
+        (max|y| floored at M * 2^-125, so that M / max|y| stays finite: SCALE_FLOOR_EXPONENT)
         x'  = H(q * s_q) / sqrt(G) / s_a
     ASH, scales="fp32": s_a cancels against s_q, so it is folded:
         y = H(x) / sqrt(G) ;  s = max|y| / M ;  q = fp8(y * (M / max|y|))   stores s
@@ -61,6 +62,10 @@ __all__ = [
 
 ADAPTIVE_SCALE_MIN = 1e-3
 ADAPTIVE_SCALE_MAX = 1e3
+# s_q's floor with one-scale fp32 storage: a group whose max |y| is below M * 2^-125 (1e-35 for E4M3, 2e-37 for
+# INT4) is scaled as if its max were that, so M / max stays finite (else Inf * y makes every code +-M and 0 * Inf
+# NaN: such a group decoded to NaN or at a relative error of 2.6). Exact: s_q = 2^-125 and M / (M * 2^-125) = 2^125.
+SCALE_FLOOR_EXPONENT = -125
 E8M0_MIN_EXP = -126
 E8M0_MAX_EXP = 126
 
@@ -258,10 +263,11 @@ def encode_groups(
     elif settings.scales == "e4m3":
         q, stored = _e4m3_scaled(y, amax, nonfinite, fp8_max)
     else:
-        s_q = torch.where(amax > 0, div_rn(amax, fp8_max), torch.ones_like(amax))
+        floored = torch.maximum(amax, fp8_max * 2.0**SCALE_FLOOR_EXPONENT)
+        s_q = torch.where(amax > 0, div_rn(floored, fp8_max), torch.ones_like(amax))
         s_q = torch.where(nonfinite, nan, s_q)
         # One division per group, a multiply per element (a per-element IEEE division is slow on GPU).
-        inv_s_q = torch.where(amax > 0, div_rn(fp8_max, amax), torch.ones_like(amax))
+        inv_s_q = torch.where(amax > 0, div_rn(fp8_max, floored), torch.ones_like(amax))
         q = y * inv_s_q[:, None]
         stored = torch.stack([s_q, s_a], dim=-1) if settings.scales == "dual" else s_q[:, None]
     q = q.clamp(-fmt.max_value, fmt.max_value)

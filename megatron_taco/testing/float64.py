@@ -42,6 +42,7 @@ __all__ = [
 ]
 
 ADAPTIVE_SCALE_RANGE = (1e-3, 1e3)  # the clamp of s_a in the paper's dual-scale form
+SCALE_FLOOR_EXPONENT = -125  # the smallest one-scale fp32 s_q (keeps M / max|y| finite), as the codec's
 
 # Stored fp32 scales (s, or s_q and s_a of "dual") vs float64: 2.8e-7 relative at most (2-3 fp32 ulps
 # from the fp32 Hadamard). E8M0 exponents are equal (none within 1e-6 of a power-of-two boundary).
@@ -86,14 +87,15 @@ def _fp8(v: torch.Tensor, settings: CodecSettings) -> torch.Tensor:
 def encode(x: torch.Tensor, settings: CodecSettings) -> Dict[str, torch.Tensor]:
     """Float64 encode of ``x``. Per group: ``y`` the transformed values, ``s`` the quantization scale
     (what multiplies the codes), ``stored`` the scales as the wire format stores them, ``v = y / s``
-    (clamped to +-M) and ``codes`` its FP8 rounding. All-zero groups get scale 1, as in the codec.
-    Finite inputs only."""
+    (clamped to +-M) and ``codes`` its FP8 rounding. All-zero groups get scale 1, as in the codec; one-scale fp32
+    storage floors the scale at 2^SCALE_FLOOR_EXPONENT, as the codec does. Finite inputs only."""
     fmt = FP8_FORMATS[settings.fmt]
     g = groups_of(x, settings.group_size)
     y = g @ hadamard(settings.group_size) if settings.transform == "ash" else g  # H symmetric: row @ H = H x
     amax = y.abs().amax(-1)
     s = torch.where(amax > 0, amax / fmt.max_value, torch.ones_like(amax))
-    out = {"y": y}
+    floor = 2.0**SCALE_FLOOR_EXPONENT
+    out = {"y": y}  # (the floor matters only for groups whose max |y| is below M * 2^-125)
     if settings.scales == "e8m0":
         out["log2_s"] = torch.log2(s)  # how close each group is to a power-of-two boundary
         exponent = torch.ceil(out["log2_s"]).clamp(-126, 126)
@@ -103,8 +105,11 @@ def encode(x: torch.Tensor, settings: CodecSettings) -> Dict[str, torch.Tensor]:
         # the codec's y is H(s_a x)/sqrt(G), so s_q = s * s_a; s_a cancels on decode
         rms = torch.sqrt((g * g).mean(-1) + settings.eps)
         s_a = (fmt.max_value / rms).clamp(*ADAPTIVE_SCALE_RANGE)
-        out["stored"] = torch.stack([torch.where(amax > 0, s * s_a, torch.ones_like(s)), s_a], -1)
+        s_q = torch.where(amax > 0, torch.clamp(s * s_a, min=floor), torch.ones_like(s))
+        s = torch.where(amax > 0, s_q / s_a, s)
+        out["stored"] = torch.stack([s_q, s_a], -1)
     else:
+        s = torch.where(amax > 0, torch.clamp(s, min=floor), s)
         out["stored"] = s[:, None]
     out["s"] = s
     out["v"] = (y / s[:, None]).clamp(-fmt.max_value, fmt.max_value)

@@ -6,7 +6,7 @@ from typing import Callable, Dict
 
 import torch
 
-__all__ = ["gaussian", "DISTRIBUTIONS"]
+__all__ = ["gaussian", "DISTRIBUTIONS", "near_underflow_groups"]
 
 
 def gaussian(shape, gen: torch.Generator) -> torch.Tensor:
@@ -36,3 +36,13 @@ DISTRIBUTIONS: Dict[str, Callable] = {
     "student_t3": student_t,
     "near_zero_outliers": near_zero_with_outlier_channels,
 }
+
+
+def near_underflow_groups(rows: int, seed: int) -> torch.Tensor:
+    """bf16 [rows, 128] of |values| in [2e-38, 1e-37] (normal bf16, no subnormals), every 7th value zero: a
+    group's max after the Hadamard is below M * 2^-125 for the FP8 formats, where M / max overflows fp32."""
+    gen = torch.Generator().manual_seed(seed)
+    magnitude = 2e-38 + torch.rand(rows, 128, generator=gen) * 8e-38
+    x = (magnitude * torch.sign(torch.randn(rows, 128, generator=gen))).to(torch.bfloat16)
+    x[:, ::7] = 0
+    return x
