@@ -26,7 +26,8 @@ gradients' 4-bit codes with ``+sr`` and each ``@OVERRIDE`` as a ``--taco-overrid
 (``int4-ash/fp8-ash@1,8:mode=fp8-ash``: FP8 in layers 1 and 8), every message compressed (no link policy: a loss
 study must compress). ``FIRST>STEP>THEN`` trains with arm FIRST (a TACO arm) for steps 1..STEP and THEN's settings
 after (``int4-ash/fp8-ash>800>fp8-ash``: 4-bit forward, FP8 for the last 200 steps of 1000; THEN may be ``none``):
-the lead that the 4-bit gaps open late in the decay of the learning rate.
+the lead that the 4-bit gaps open late in the decay of the learning rate. (The switch makes new codecs: a ``+sr``
+arm's stochastic rounding draws other noise after it.)
 Seed s sets the initialisation and the order of the training data, the same for every arm; the data is real
 text (the Python standard library's sources, byte-level, or with ``--vocab-size V`` a BPE vocabulary of V tokens
 trained on the training split), validation on held-out files. Byte-level gpt-25m at 1000 steps ends in the steep
@@ -130,7 +131,9 @@ def arm_phases(arm: str) -> Tuple[Optional[TacoConfig], Optional[Tuple[int, Taco
         raise ValueError("a switch reads FIRST>STEP>THEN with STEP >= 1, e.g. int4-ash/fp8-ash>800>fp8-ash")
     if arm_config(first) is None:
         raise ValueError(f"a switch starts from a TACO arm, not {first!r}")
-    return arm_config(first), (int(switch[0]), arm_config(switch[1]) or TacoConfig())
+    if switch[1] == CONTROL_ARM:
+        raise ValueError(f"a switch cannot end in {CONTROL_ARM!r} (TP=1's arithmetic is the whole run's)")
+    return arm_config(first), (int(switch[0]), arm_config(switch[1]) or TacoConfig(min_bytes=0))
 
 
 def arm_config(arm: str) -> Optional[TacoConfig]:

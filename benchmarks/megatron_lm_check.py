@@ -252,7 +252,7 @@ PARALLEL = {
     ],
     2: ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "4", "--global-batch-size", "16"],
 }
-# TACO settings by row name: a --taco-mode, or a 4-bit forward with FP8 gradients
+# TACO settings by row name: a --taco-mode, a 4-bit forward with FP8 gradients, and that with the edge layers at FP8
 TACO = {mode: ["--taco-mode", mode] for mode in ("none", "fp8", "fp8-ash", "fp4-ash", "int4-ash")}
 TACO["fp4-ash-fp8bwd"] = ["--taco-mode", "fp4-ash", "--taco-bwd-mode", "fp8-ash"]
 TACO["int4-ash-fp8bwd"] = ["--taco-mode", "int4-ash", "--taco-bwd-mode", "fp8-ash"]

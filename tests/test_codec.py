@@ -167,15 +167,19 @@ def test_zero_group_decodes_to_exact_zeros(scales):
 
 
 @pytest.mark.parametrize(
-    "fmt,transform,scales,bound",
-    [("e4m3", "ash", "fp32", 2.0**-4), ("e4m3", "none", "fp32", 2.0**-4), ("e4m3", "ash", "dual", 2.0**-4),
-     ("e5m2", "ash", "fp32", 2.0**-3), ("int4", "ash", "fp32", 0.16), ("e2m1", "ash", "fp32", 0.16)],
+    "fmt,transform,scales,low,high,bound",
+    [("e4m3", "ash", "fp32", 2e-38, 1e-37, 2.0**-4), ("e4m3", "none", "fp32", 2e-38, 1e-37, 2.0**-4),
+     ("e5m2", "ash", "dual", 2e-38, 1e-37, 2.0**-3), ("int4", "ash", "fp32", 2e-38, 1e-37, 0.16),
+     ("e2m1", "ash", "fp32", 2e-38, 1e-37, 0.16), ("int4", "none", "fp32", 1e-40, 1.7e-38, 0.5),
+     ("e2m1", "none", "fp32", 1e-40, 1.7e-38, 0.3)],
 )  # fmt: skip
-def test_a_near_underflow_group_decodes_within_its_formats_error(fmt, transform, scales, bound):
-    """Before the scale floor (reference.SCALE_FLOOR_EXPONENT) such groups decoded to NaN (E4M3, no transform:
-    0 * Inf) or at a relative error of 2.6 (E4M3 and E5M2 + Hadamard: every code +-M); now their error is the format's usual
-    (0.023-0.029 E4M3, 0.044-0.058 E5M2, 0.10-0.12 4-bit per group, observed)."""
-    x = near_underflow_groups(rows=4, seed=0)
+def test_a_near_underflow_group_decodes_finite_and_close(fmt, transform, scales, low, high, bound):
+    """Groups whose max is below M * 2^-126. Before the scale floor (reference.SCALE_FLOOR_EXPONENT), M / max
+    overflowed to Inf below about M * 2^-128: they decoded to NaN (E4M3, no transform: 0 * Inf) or at a relative
+    error of 1-2.6 (every code +-M). Now the FP8 formats and 4-bit groups down to 2e-38 keep their usual error
+    (observed per group: E4M3 0.023-0.029, E5M2 0.044-0.058, 4-bit 0.10-0.12); 4-bit groups below their overflow
+    (max 1.7e-38) use a quarter of the code range or less: INT4 0.31-0.36, E2M1 0.17-0.20 (before: 0.89-1.07)."""
+    x = near_underflow_groups(rows=4, seed=0, low=low, high=high)
     codec = TacoCodec(128, fmt, transform, scales, backend="torch")
     x_hat = codec.decompress(codec.compress(x), x.shape, x.dtype)
     assert torch.isfinite(x_hat).all()

@@ -74,7 +74,7 @@ def test_launcher_resolves_last_to_the_models_last_layer(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [layer["fc2_fwd_format"] for layer in report["layers"]] == ["e4m3", "int4", "e4m3"]
     # the start-up line names which layers run which mode, not only the flags' default
-    assert "fc2 1-3; modes: fp8-ash 1,3, int4-ash (backward fp8-ash) 2; codec" in proc.stdout
+    assert "fc2 1-3; modes: fp8-ash 1,3 | int4-ash (backward fp8-ash) 2; codec" in proc.stdout
     proc, _ = _launch(tmp_path, "--taco-mode", "fp8", "--taco-layers", "4-last")
     assert proc.returncode == 2 and "--taco-layers: layer range 4-last is empty in a model of 3 layers" in proc.stderr
 

@@ -131,7 +131,8 @@ def test_a_switch_arm_trains_first_with_one_setting_then_another(tmp_path, capsy
     assert same == fp8
     assert off[0] == fp8[0] and off[1:] != fp8[1:]
     for bad, message in [("none>1>fp8-ash", "starts from a TACO arm"), ("fp8-ash>x>none", "FIRST>STEP>THEN"),
-                         ("fp8-ash>3>none", "comes after the last step"), ("fp8-ash>1>int3", "--taco-mode")]:  # fmt: skip
+                         ("fp8-ash>3>none", "comes after the last step"), ("fp8-ash>1>int3", "--taco-mode"),
+                         ("fp8-ash>1>tp1", "cannot end in 'tp1'")]:  # fmt: skip
         with pytest.raises(SystemExit):
             loss_compare.main(flags[:3] + [bad] + flags[4:])
         assert message in capsys.readouterr().err

@@ -116,7 +116,7 @@ def test_mode_none_builds_megatron_lm_model_unchanged():
     assert report["norms_sp"]
 
 
-def _moe_start_up_line():
+def _moe_start_up_line(taco: TacoConfig = TacoConfig(default=LinearSettings(mode="fp8-ash"), min_bytes=0)) -> str:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -145,9 +145,21 @@ def _moe_start_up_line():
         vocab_size=128,
         max_sequence_length=TINY_GPT.seq_length,
     )
-    return attach_taco([model], TacoConfig(default=LinearSettings(mode="fp8-ash"), min_bytes=0)).describe()
+    return attach_taco([model], taco).describe()
 
 
 def test_moe_experts_run_stock_and_the_start_up_line_says_so():
     line = run_distributed(_moe_start_up_line, 1, timeout=120)[0]
     assert line == "qkv 1-4, proj 1-4, fc1 -, fc2 -; runs stock: layers 1-4 mlp (MoE experts)"
+
+
+def test_the_start_up_line_names_the_modes_of_the_layers_that_compress():
+    """Modes appear where a layer compresses in another mode than the flags' (here: none); a layer whose override
+    reaches only linears that run stock (the MoE experts' fc1 / fc2) compresses nothing and is not named."""
+    overrides = (
+        (((1, 1),), LinearSettings(mode="fp8-ash", linears=frozenset({"fc1", "fc2"}))),
+        (((2, 3),), LinearSettings(mode="int4-ash", bwd_mode="fp8-ash")),
+    )
+    config = TacoConfig(default=LinearSettings(mode="none"), overrides=overrides, min_bytes=0)
+    line = run_distributed(_moe_start_up_line, 1, config, timeout=120)[0]
+    assert line.startswith("qkv 2-3, proj 2-3, fc1 -, fc2 -; modes: int4-ash (backward fp8-ash) 2-3; runs stock")

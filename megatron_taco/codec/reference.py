@@ -14,7 +14,7 @@ Per group of G values x (fp32), with M the element format's maximum (448 for E4M
         s_a = clamp(M / sqrt(sum(x^2)/G + eps), 1e-3, 1e3)    adaptive scale
         y   = H(x) * (s_a / sqrt(G))                             = H(s_a x)/sqrt(G)
         s_q = max|y| / M ;  q = fp8(clamp(y * (M / max|y|), -M, M))   stores (s_q, s_a)
-        (max|y| floored at M * 2^-125, so that M / max|y| stays finite: SCALE_FLOOR_EXPONENT)
+        (max|y| floored at M * 2^-126, so that M / max|y| stays finite: SCALE_FLOOR_EXPONENT)
         x'  = H(q * s_q) / sqrt(G) / s_a
     ASH, scales="fp32": s_a cancels against s_q, so it is folded:
         y = H(x) / sqrt(G) ;  s = max|y| / M ;  q = fp8(y * (M / max|y|))   stores s
@@ -62,10 +62,12 @@ __all__ = [
 
 ADAPTIVE_SCALE_MIN = 1e-3
 ADAPTIVE_SCALE_MAX = 1e3
-# s_q's floor with one-scale fp32 storage: a group whose max |y| is below M * 2^-125 (1e-35 for E4M3, 2e-37 for
-# INT4) is scaled as if its max were that, so M / max stays finite (else Inf * y makes every code +-M and 0 * Inf
-# NaN: such a group decoded to NaN or at a relative error of 2.6). Exact: s_q = 2^-125 and M / (M * 2^-125) = 2^125.
-SCALE_FLOOR_EXPONENT = -125
+# s_q's floor with fp32 / dual scales, the smallest normal fp32: a group whose max |y| is below M * 2^-126 (5e-36
+# for E4M3, 8e-38 for INT4) is scaled as if its max were that. Below about M * 2^-128, M / max overflowed to Inf,
+# and Inf * y made every code +-M and 0 * Inf NaN: such a group decoded to NaN or at a relative error of 2.6. The
+# floor costs groups in [M * 2^-128, M * 2^-126) up to 2 bits of their codes' range. Exact: s_q = 2^-126 and
+# M / (M * 2^-126) = 2^126.
+SCALE_FLOOR_EXPONENT = -126
 E8M0_MIN_EXP = -126
 E8M0_MAX_EXP = 126
 

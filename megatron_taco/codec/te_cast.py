@@ -4,7 +4,9 @@ TE 2.x's ``Float8BlockQuantizer`` with 1 x 128 blocks and fp32 (not power-of-two
 plain per-group FP8 mode does: per block ``amax``, ``scale = M / amax``, codes = round-to-nearest-even of
 ``x * scale`` (measured on H200: bit-identical codes; the stored ``scale_inv = 1 / scale`` is within one fp32
 ulp of TACO's ``amax / M``). So a TE-encoded message has TACO's layout and decodes with TACO's kernels, and TACO
-decodes it to within one ulp of the scale: ranks with different backends exchange messages correctly.
+decodes it to within one ulp of the scale: ranks with different backends exchange messages correctly. Not for
+groups whose max is below M * 2^-126: TACO floors their scale there (``reference.SCALE_FLOOR_EXPONENT``) and TE does
+not, so their codes differ (each message carries its own scales, so both still decode).
 
 What TE does not have stays in Triton: the Hadamard (``fp8-ash``: a Triton pass writes ``y = H(x) / sqrt(G)`` in
 fp32, TE casts ``y``) and the codec's non-finite rule (the same pass writes NaN over every group that holds a

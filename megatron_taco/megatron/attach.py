@@ -40,14 +40,16 @@ class Attached:
 
     layers: Dict[str, List[int]]
     stock: List[str]
-    modes: Dict[str, List[int]] = dataclasses.field(default_factory=dict)  # mode (as describe_modes) -> layers
+    modes: Dict[str, List[int]] = dataclasses.field(default_factory=dict)  # mode (describe_modes) -> compressing layers
+    default_mode: str = ""  # the flags' own mode (--taco-mode / --taco-bwd-mode), which the start-up line names
 
     def describe(self) -> str:
         """One start-up line, e.g. ``qkv 1-8, proj 1-8, fc1 1-8, fc2 1-8; stock: layers 2,4 mlp (MoE experts)``;
-        where overrides give layers different modes, which ones: ``...; modes: int4-ash 2-7, fp8-ash 1,8``."""
+        where a layer compresses in another mode than the flags' (an override), every mode's layers:
+        ``...; modes: fp8-ash 1,8 | int4-ash (backward fp8-ash) 2-7``."""
         text = ", ".join(f"{name} {format_ranges(numbers) or '-'}" for name, numbers in self.layers.items())
-        if len(self.modes) > 1:
-            text += "; modes: " + ", ".join(f"{mode} {format_ranges(numbers)}" for mode, numbers in self.modes.items())
+        if list(self.modes) not in ([], [self.default_mode]):
+            text += "; modes: " + " | ".join(f"{mode} {format_ranges(numbers)}" for mode, numbers in self.modes.items())
         return text + (f"; runs stock: {'; '.join(self.stock)}" if self.stock else "")
 
 
@@ -127,8 +129,6 @@ def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> 
         for layer in gpt.decoder.layers:
             number = layer.layer_number
             settings = resolved.for_layer(number)
-            if settings.enabled:
-                modes.setdefault(settings.describe_modes(), []).append(number)
             uncovered = _uncovered(layer)
             for part in uncovered.values():
                 stock.setdefault(part, []).append(number)
@@ -153,5 +153,8 @@ def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> 
                     compressed[name].append(number)
             for module, column, row in te_modules.values():
                 compress_te_linear(module, TeCompression(column, row) if column or row else None)
+            if any(number in numbers for numbers in compressed.values()):  # a layer some linear of compresses
+                modes.setdefault(settings.describe_modes(), []).append(number)
     stock_parts = [f"layers {format_ranges(sorted(numbers))} {part}" for part, numbers in stock.items()]
-    return Attached(compressed, stock_parts, {mode: sorted(numbers) for mode, numbers in modes.items()})
+    modes = {mode: sorted(numbers) for mode, numbers in modes.items()}
+    return Attached(compressed, stock_parts, modes, config.default.describe_modes())

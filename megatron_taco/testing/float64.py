@@ -42,7 +42,7 @@ __all__ = [
 ]
 
 ADAPTIVE_SCALE_RANGE = (1e-3, 1e3)  # the clamp of s_a in the paper's dual-scale form
-SCALE_FLOOR_EXPONENT = -125  # the smallest one-scale fp32 s_q (keeps M / max|y| finite), as the codec's
+SCALE_FLOOR_EXPONENT = -126  # the smallest fp32 / dual s_q (keeps M / max|y| finite), as the codec's
 
 # Stored fp32 scales (s, or s_q and s_a of "dual") vs float64: 2.8e-7 relative at most (2-3 fp32 ulps
 # from the fp32 Hadamard). E8M0 exponents are equal (none within 1e-6 of a power-of-two boundary).
@@ -95,7 +95,7 @@ def encode(x: torch.Tensor, settings: CodecSettings) -> Dict[str, torch.Tensor]:
     amax = y.abs().amax(-1)
     s = torch.where(amax > 0, amax / fmt.max_value, torch.ones_like(amax))
     floor = 2.0**SCALE_FLOOR_EXPONENT
-    out = {"y": y}  # (the floor matters only for groups whose max |y| is below M * 2^-125)
+    out = {"y": y}  # (the floor matters only for groups whose max |y| is below M * 2^-126)
     if settings.scales == "e8m0":
         out["log2_s"] = torch.log2(s)  # how close each group is to a power-of-two boundary
         exponent = torch.ceil(out["log2_s"]).clamp(-126, 126)

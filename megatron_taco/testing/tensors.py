@@ -38,11 +38,12 @@ DISTRIBUTIONS: Dict[str, Callable] = {
 }
 
 
-def near_underflow_groups(rows: int, seed: int) -> torch.Tensor:
-    """bf16 [rows, 128] of |values| in [2e-38, 1e-37] (normal bf16, no subnormals), every 7th value zero: a
-    group's max after the Hadamard is below M * 2^-125 for the FP8 formats, where M / max overflows fp32."""
+def near_underflow_groups(rows: int, seed: int, low: float = 2e-38, high: float = 1e-37) -> torch.Tensor:
+    """bf16 [rows, 128] of |values| in [low, high] (by default normal bf16, no subnormals), every 7th value zero:
+    a group's max is below M * 2^-126, the codec's scale floor, for the FP8 formats (and below the 4-bit formats'
+    overflow of M / max, about M * 2^-128, with high = 1.7e-38 and no transform)."""
     gen = torch.Generator().manual_seed(seed)
-    magnitude = 2e-38 + torch.rand(rows, 128, generator=gen) * 8e-38
+    magnitude = low + torch.rand(rows, 128, generator=gen) * (high - low)
     x = (magnitude * torch.sign(torch.randn(rows, 128, generator=gen))).to(torch.bfloat16)
     x[:, ::7] = 0
     return x
