@@ -129,11 +129,12 @@ def arm_phases(arm: str) -> Tuple[Optional[TacoConfig], Optional[Tuple[int, Taco
         return arm_config(arm), None
     if len(switch) != 2 or not switch[0].isdigit() or int(switch[0]) < 1:
         raise ValueError("a switch reads FIRST>STEP>THEN with STEP >= 1, e.g. int4-ash/fp8-ash>800>fp8-ash")
-    if arm_config(first) is None:
+    start = arm_config(first)
+    if start is None:
         raise ValueError(f"a switch starts from a TACO arm, not {first!r}")
     if switch[1] == CONTROL_ARM:
         raise ValueError(f"a switch cannot end in {CONTROL_ARM!r} (TP=1's arithmetic is the whole run's)")
-    return arm_config(first), (int(switch[0]), arm_config(switch[1]) or TacoConfig(min_bytes=0))
+    return start, (int(switch[0]), arm_config(switch[1]) or TacoConfig(min_bytes=0))
 
 
 def arm_config(arm: str) -> Optional[TacoConfig]:
