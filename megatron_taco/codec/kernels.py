@@ -197,27 +197,29 @@ def _transform_and_amax(
     FP8_MAX: tl.constexpr,
     INV_SQRT_G: tl.constexpr,
 ):
-    """(y, s_a, amax, nonfinite) of a [BLOCK_G, G] tile: y = H(x) / sqrt(G) (times s_a in the paper's dual-scale
-    form), per group max |y| (0 for a non-finite group) and whether the group holds NaN or Inf."""
+    """(h, m, s_a, amax, nonfinite) of a [BLOCK_G, G] tile (``reference._transform_groups``): h = H(x) (x without
+    the transform) and the per-group multiplier m of the transformed groups y = h * m (1 / sqrt(G), times s_a in
+    the paper's dual-scale form; 1 without the transform), per group max |y| = max |h| * m (one rounding per group:
+    rounding is monotonic; 0 for a non-finite group) and whether y holds NaN or Inf."""
     fp8_max = tl.full((BLOCK_G,), FP8_MAX, tl.float32)
     s_a = tl.full((BLOCK_G,), 1.0, tl.float32)
+    multiplier = tl.full((BLOCK_G,), 1.0, tl.float32)
+    h = x
     if ASH:
+        multiplier = tl.full((BLOCK_G,), INV_SQRT_G, tl.float32)
         if SCALE_MODE == 1:
             mean_square = _pairwise_sum(x * x, BLOCK_G, G, LOG2G) * (1.0 / G)
             rms = tl.sqrt_rn(mean_square + eps)
             raw = tl.math.div_rn(fp8_max, rms)
             # clamp, with one NaN bit pattern for NaN as in the reference (GPU min/max drop NaN)
             s_a = tl.where(raw != raw, float("nan"), tl.minimum(tl.maximum(raw, 1e-3), 1e3))
-            y = _fwht(x, BLOCK_G, G, LOG2G) * (s_a * INV_SQRT_G)[:, None]
-        else:
-            y = _fwht(x, BLOCK_G, G, LOG2G) * INV_SQRT_G
-    else:
-        y = x
-    # max |y|, NaN if any is: a group is non-finite iff that max is Inf or NaN.
-    amax = tl.reduce(tl.abs(y), 1, _max_keeping_nan)
+            multiplier = s_a * INV_SQRT_G
+        h = _fwht(x, BLOCK_G, G, LOG2G)
+    # max |y|, NaN if any is: a group is non-finite iff that max is Inf (an overflow of h * m included) or NaN.
+    amax = tl.reduce(tl.abs(h), 1, _max_keeping_nan) * multiplier
     nonfinite = (amax == float("inf")) | (amax != amax)
     amax = tl.where(nonfinite, 0.0, amax)
-    return y, s_a, amax, nonfinite
+    return h, multiplier, s_a, amax, nonfinite
 
 
 @triton.jit
@@ -253,9 +255,11 @@ def _first_pass_kernel(
     offsets = _tile_offsets(groups, G, THREADS, X_VEC)
     x = tl.load(x_ptr + row * x_row_stride + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
     x = _to_rows(x, BLOCK_G, G)
-    y, _, amax, nonfinite = _transform_and_amax(x, eps, G, LOG2G, BLOCK_G, ASH, SCALE_MODE, FP8_MAX, INV_SQRT_G)
+    h, multiplier, _, amax, nonfinite = _transform_and_amax(
+        x, eps, G, LOG2G, BLOCK_G, ASH, SCALE_MODE, FP8_MAX, INV_SQRT_G
+    )
     if WRITE_Y:
-        y = _to_tile(tl.where(nonfinite[:, None], float("nan"), y), BLOCK_G, G, THREADS, Y_VEC)
+        y = _to_tile(tl.where(nonfinite[:, None], float("nan"), h * multiplier[:, None]), BLOCK_G, G, THREADS, Y_VEC)
         tl.store(
             out_ptr + row * n_groups * G + _tile_offsets(groups, G, THREADS, Y_VEC),
             y,
@@ -317,7 +321,9 @@ def _compress_kernel(
     x = _to_rows(tl.load(x_ptr + x_offsets, mask=x_offsets < numel, other=0.0).to(tl.float32), BLOCK_G, G)
     fp8_max = tl.full((BLOCK_G,), FP8_MAX, tl.float32)
 
-    y, s_a, amax, nonfinite = _transform_and_amax(x, eps, G, LOG2G, BLOCK_G, ASH, SCALE_MODE, FP8_MAX, INV_SQRT_G)
+    h, multiplier, s_a, amax, nonfinite = _transform_and_amax(
+        x, eps, G, LOG2G, BLOCK_G, ASH, SCALE_MODE, FP8_MAX, INV_SQRT_G
+    )
 
     # Quantization scale: s_q = amax / M, its power-of-two ceiling 2^e for E8M0, or an E4M3 byte times the
     # message scale S = (max over the row) / (M * 448) for "e4m3" (``reference._e4m3_scaled``).
@@ -340,12 +346,19 @@ def _compress_kernel(
         s_q = tl.where(amax > 0, tl.math.div_rn(floored, fp8_max), 1.0)
         s_q = tl.where(nonfinite, float("nan"), s_q)
         inverse = tl.where(amax > 0, tl.math.div_rn(fp8_max, floored), 1.0)  # one IEEE division per group
-    # one multiply per element; NaN over a non-finite group, which a GPU's FP8 cast writes as NAN_BYTE
-    q = y * tl.where(nonfinite, float("nan"), inverse)[:, None]
+    # one multiply per element by the group's m * inverse (rounded once per group; dual: y = h * m first, as m *
+    # inverse can overflow there); NaN over a non-finite group, which a GPU's FP8 cast writes as NAN_BYTE
+    if SCALE_MODE == 1:
+        q = (h * multiplier[:, None]) * tl.where(nonfinite, float("nan"), inverse)[:, None]
+    else:
+        q = h * tl.where(nonfinite, float("nan"), multiplier * inverse)[:, None]
 
-    # a GPU's FP8 cast saturates (satfinite) to the same +-M; E2M1 rounded to nearest takes min(|q|, M) below
+    # No clamp where none can change a code: a GPU's FP8 cast saturates (satfinite) to the same +-M; E2M1 rounded to
+    # nearest takes min(|q|, M) below; INT4 rounded to nearest with a scale of at least amax / M (fp32, dual: s_q =
+    # max(amax, M 2^-126) / M; e8m0: its power-of-two ceiling) has |q| <= M (1 + 2^-22), which rounds to +-M.
     E2M1_NEAREST: tl.constexpr = CODE_KIND == 2 and not STOCHASTIC
-    if (CODE_KIND >= 2 or not HW_ROUNDING) and not E2M1_NEAREST:
+    INT4_NEAREST_IN_RANGE: tl.constexpr = CODE_KIND == 3 and not STOCHASTIC and SCALE_MODE != 3
+    if (CODE_KIND >= 2 or not HW_ROUNDING) and not (E2M1_NEAREST or INT4_NEAREST_IN_RANGE):
         q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
     if CODE_KIND >= 2:  # 4 bits, two per byte; a non-finite group's NaN scale decodes it to NaN
         if STOCHASTIC:
@@ -364,10 +377,13 @@ def _compress_kernel(
         # byte i = element 2i | element 2i + 1 << 4, as a sum over the pair axis (no split: the layout stays)
         nibble_shift = (tl.arange(0, 2) * 4)[None, None, :]
         packed = tl.sum(tl.reshape(nibbles, (BLOCK_G, G // 2, 2)) << nibble_shift, axis=2)
-        packed = tl.where(nonfinite[:, None], 0, packed)
         packed_offsets = _tile_offsets(groups, G // 2, THREADS, CODE_VEC // 2)
         packed = _to_tile(packed.to(tl.uint8), BLOCK_G, G // 2, THREADS, CODE_VEC // 2)
         tl.store(out_ptr + 16 + packed_offsets, packed, mask=group_ok[None, :, None, None])
+        # a non-finite group's codes are zeros: the same thread stores them over its bytes (a store predicated per
+        # group, in program order), one instruction per thread where a select per byte cost 16
+        zeros = tl.zeros_like(packed)
+        tl.store(out_ptr + 16 + packed_offsets, zeros, mask=(group_ok & nonfinite)[None, :, None, None])
     else:
         if not HW_ROUNDING:
             q = _round_to_grid(q, MANTISSA_BITS, MIN_NORMAL, SUBNORMAL_SHIFTER)
@@ -424,7 +440,7 @@ def _decompress_sum_kernel(
 ):
     """out = sum over r of decode(bufs[r]) in fp32, in order r = 0, 1, ...
 
-    With one scale per group the transform is linear in the sum: H(sum_r q_r s_r) / sqrt(G),
+    With one scale per group the transform is linear in the sum: H(sum_r q_r (s_r / sqrt(G))),
     one Hadamard instead of N (``reference.decode_sum_groups`` defines the same order).
     Output row program_id(1) sums messages [row * n_bufs, (row + 1) * n_bufs).
     """
@@ -466,15 +482,17 @@ def _decompress_sum_kernel(
             scale_ptr = (buf + scales_offset).to(tl.pointer_type(tl.float32))
             stride: tl.constexpr = 2 if SCALE_MODE == 1 else 1
             scale = tl.load(scale_ptr + stride * groups, mask=group_ok, other=1.0)
+        if ASH:  # 1 / sqrt(G) folded into the group's multiplier (``reference._decode_multiplier``)
+            scale = scale * INV_SQRT_G
         y = y * scale[:, None]
         if SCALE_MODE == 1:  # dual: each message is transformed and divided by its own s_a
             s_a = tl.load(scale_ptr + 2 * groups + 1, mask=group_ok, other=1.0)
-            acc += tl.math.div_rn(_fwht(y, BLOCK_G, G, LOG2G) * INV_SQRT_G, s_a[:, None])
+            acc += tl.math.div_rn(_fwht(y, BLOCK_G, G, LOG2G), s_a[:, None])
         else:  # one scale per group: sum q * s first, transform once after the loop
             acc += y
         buf += buf_stride  # pointer arithmetic is 64-bit: no overflow past 2 GiB
     if ASH and SCALE_MODE != 1:
-        acc = _fwht(acc, BLOCK_G, G, LOG2G) * INV_SQRT_G
+        acc = _fwht(acc, BLOCK_G, G, LOG2G)
     if OUT_MANTISSA_BITS < 23 and not HW_ROUNDING:  # bf16/fp16 output: the interpreter truncates
         acc = _round_to_grid(acc, OUT_MANTISSA_BITS, OUT_MIN_NORMAL, OUT_SUBNORMAL_SHIFTER)
     # Stored as a plain [BLOCK_G, G] tile: Triton moves it through shared memory so that neighbouring threads

@@ -12,18 +12,22 @@ Per group of G values x (fp32), with M the element format's maximum (448 for E4M
 
     ASH, scales="dual" (the paper's form):
         s_a = clamp(M / sqrt(sum(x^2)/G + eps), 1e-3, 1e3)    adaptive scale
-        y   = H(x) * (s_a / sqrt(G))                             = H(s_a x)/sqrt(G)
+        y   = H(x) * m,  m = s_a / sqrt(G)                      = H(s_a x)/sqrt(G)
         s_q = max|y| / M ;  q = fp8(clamp(y * (M / max|y|), -M, M))   stores (s_q, s_a)
         (max|y| floored at M * 2^-126, so that M / max|y| stays finite: SCALE_FLOOR_EXPONENT)
-        x'  = H(q * s_q) / sqrt(G) / s_a
+        x'  = H(q * (s_q / sqrt(G))) / s_a
     ASH, scales="fp32": s_a cancels against s_q, so it is folded:
-        y = H(x) / sqrt(G) ;  s = max|y| / M ;  q = fp8(y * (M / max|y|))   stores s
-        x' = H(q * s) / sqrt(G)
-    scales="e8m0": as "fp32" with s rounded up to a power of two 2^e (q = y * 2^-e
-        is exact); stores the byte e + 127.
+        y = H(x) * m,  m = 1 / sqrt(G) ;  s = max|y| / M ;  q = fp8(H(x) * (m * (M / max|y|)))   stores s
+        x' = H(q * (s / sqrt(G)))
+    1/sqrt(G) is folded into each group's multipliers (rounded once per group), so each element is multiplied
+    once on the way in (dual: twice, y first, as m * M / max|y| can overflow there) and once on the way out.
+    max|y| = max|H(x)| * m, one rounding: rounding is monotonic, so it equals the max of the rounded products
+    H(x) * m (Inf where one overflows).
+    scales="e8m0": as "fp32" with s rounded up to a power of two 2^e (q = H(x) * (m * 2^-e));
+        stores the byte e + 127.
     scales="e4m3" (4-bit formats, NVFP4's layout): S = max|y| of the message / (M * 448) in fp32, then per
-        group the E4M3 byte b = e4m3(amax / M / S) and s = b * S; q = y / s, clamped to M.
-    transform="none": y = x (per-group FP8 without Hadamard).
+        group the E4M3 byte b = e4m3(amax / M / S) and s = b * S; q = H(x) * (m * (1 / s)), clamped to M.
+    transform="none": H is the identity and m = 1 (per-group FP8 without Hadamard).
     4-bit formats (M = 6 for FP4 E2M1, 7 for INT4): the same, with q rounded to the
         E2M1 grid (ties to even) or to the integers (ties to even), coded in 4 bits and
         packed two per byte (element 2i in the low nibble).
@@ -31,7 +35,7 @@ Per group of G values x (fp32), with M the element format's maximum (448 for E4M
         |q| -> d * floor(|q| / d + u), u uniform in [0, 1) from a hash of (message seed, element index)
         (:func:`uniform_noise`): rounds up with probability equal to the distance, so E[decode] = x.
 
-The sum of N messages (the reduce-scatter's local step) is H(sum_r q_r s_r)/sqrt(G)
+The sum of N messages (the reduce-scatter's local step) is H(sum_r q_r (s_r / sqrt(G)))
 for one-scale modes: one transform instead of N.
 
 A group holding NaN or Inf gets a NaN scale and NaN codes, so it decodes to
@@ -107,15 +111,15 @@ def inv_sqrt_group(group_size: int) -> float:
     return float(torch.tensor(group_size, dtype=torch.float64).rsqrt().float())
 
 
-def _abs_max_and_nonfinite(y: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Per group: max |y| (0 for a non-finite group) and whether the group holds NaN or Inf.
+def _abs_max_and_nonfinite(h: torch.Tensor, multiplier: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Per group: max |y| of y = h * multiplier (0 for a non-finite group) and whether y holds NaN or Inf.
 
-    NaN is mapped to Inf before the max (a GPU max would skip NaN), so a group is
-    non-finite exactly when its max is Inf.
+    max |y| = max |h| * multiplier (rounding is monotonic). NaN is mapped to Inf before the max (a GPU max
+    would skip NaN), so a group is non-finite exactly when that product is Inf or NaN (a NaN multiplier).
     """
-    magnitude = torch.where(torch.isnan(y), float("inf"), y.abs())
-    amax = magnitude.amax(dim=-1)
-    nonfinite = amax == float("inf")
+    magnitude = torch.where(torch.isnan(h), float("inf"), h.abs())
+    amax = magnitude.amax(dim=-1) * multiplier
+    nonfinite = torch.isinf(amax) | torch.isnan(amax)
     return torch.where(nonfinite, torch.zeros_like(amax), amax), nonfinite
 
 
@@ -233,6 +237,25 @@ def code_values(codes: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
     return torch.where((nibbles & 8) != 0, -magnitude, magnitude)
 
 
+def _transform_groups(x: torch.Tensor, settings: CodecSettings) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(h, m, s_a) of fp32 groups x [n, G]: h = H(x) (x without the transform) and the per-group multiplier m
+    with y = h * m the transformed groups (1/sqrt(G), times s_a for "dual"; 1 without the transform); s_a is 1
+    except for "dual"."""
+    ones = torch.ones(x.shape[0], dtype=torch.float32, device=x.device)
+    if settings.transform != "ash":
+        return x, ones, ones
+    group = settings.group_size
+    inv_sqrt = _f32(inv_sqrt_group(group), x)
+    if settings.scales != "dual":
+        return fwht(x), ones * inv_sqrt, ones
+    fp8_max = _f32(settings.format.max_value, x)
+    mean_square = pairwise_sum(x * x) * (1.0 / group)  # 1/G is a power of two: exact
+    rms = sqrt_rn(mean_square + _f32(settings.eps, x))
+    s_a = div_rn(fp8_max, rms).clamp(ADAPTIVE_SCALE_MIN, ADAPTIVE_SCALE_MAX)
+    s_a = torch.where(torch.isnan(s_a), _f32(float("nan"), x), s_a)  # one NaN bit pattern
+    return fwht(x), s_a * inv_sqrt, s_a
+
+
 def encode_groups(
     x: torch.Tensor, settings: CodecSettings, noise: Optional[torch.Tensor] = None
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -242,36 +265,29 @@ def encode_groups(
     "e4m3" 1-D uint8 [n + 4]: the group bytes, then the message scale.
     ``noise`` [n, G]: stochastic rounding's u per element (4-bit formats with rounding="stochastic").
     """
+    h, multiplier, s_a = _transform_groups(x, settings)
     fmt = settings.format
     fp8_max = _f32(fmt.max_value, x)
-    group = settings.group_size
-    if settings.transform == "ash":
-        if settings.scales == "dual":
-            mean_square = pairwise_sum(x * x) * (1.0 / group)  # 1/G is a power of two: exact
-            rms = sqrt_rn(mean_square + _f32(settings.eps, x))
-            s_a = div_rn(fp8_max, rms).clamp(ADAPTIVE_SCALE_MIN, ADAPTIVE_SCALE_MAX)
-            s_a = torch.where(torch.isnan(s_a), _f32(float("nan"), x), s_a)  # one NaN bit pattern
-            y = fwht(x) * (s_a * _f32(inv_sqrt_group(group), x))[:, None]
-        else:
-            y = fwht(x) * _f32(inv_sqrt_group(group), x)
-    else:
-        y = x
-    amax, nonfinite = _abs_max_and_nonfinite(y)
+    amax, nonfinite = _abs_max_and_nonfinite(h, multiplier)
     nan = _f32(float("nan"), x)
+    # q = h * (multiplier * inverse): one rounded multiplier per group, one multiply per element (a per-element
+    # IEEE division is slow on GPU); dual: (h * multiplier) * inverse
     if settings.scales == "e8m0":
         exponent = _ceil_pow2_exponent(div_rn(amax, fp8_max))
-        q = y * _pow2(-exponent)[:, None]
+        inverse = _pow2(-exponent)
         stored = torch.where(nonfinite, 255, exponent + 127).to(torch.uint8)[:, None]
     elif settings.scales == "e4m3":
-        q, stored = _e4m3_scaled(y, amax, nonfinite, fp8_max)
+        inverse, stored = _e4m3_scaled(amax, nonfinite, fp8_max)
     else:
         floored = torch.maximum(amax, fp8_max * 2.0**SCALE_FLOOR_EXPONENT)
         s_q = torch.where(amax > 0, div_rn(floored, fp8_max), torch.ones_like(amax))
         s_q = torch.where(nonfinite, nan, s_q)
-        # One division per group, a multiply per element (a per-element IEEE division is slow on GPU).
-        inv_s_q = torch.where(amax > 0, div_rn(fp8_max, floored), torch.ones_like(amax))
-        q = y * inv_s_q[:, None]
+        inverse = torch.where(amax > 0, div_rn(fp8_max, floored), torch.ones_like(amax))
         stored = torch.stack([s_q, s_a], dim=-1) if settings.scales == "dual" else s_q[:, None]
+    if settings.scales == "dual":  # y first: m (up to 1e3 / sqrt(G)) times M / s_q can overflow fp32
+        q = (h * multiplier[:, None]) * inverse[:, None]
+    else:  # m = 1/sqrt(G) or 1: m * inverse <= 2^126 stays finite
+        q = h * (multiplier * inverse)[:, None]
     q = q.clamp(-fmt.max_value, fmt.max_value)
     if fmt.bits == 4:  # a non-finite group's NaN scale decodes it to NaN; its codes are zeros
         codes = torch.where(nonfinite[:, None], 0, _four_bit_codes(q, fmt, noise))
@@ -284,11 +300,11 @@ def encode_groups(
 E4M3_MAX = 448.0
 
 
-def _e4m3_scaled(y: torch.Tensor, amax: torch.Tensor, nonfinite: torch.Tensor, element_max: torch.Tensor):
+def _e4m3_scaled(amax: torch.Tensor, nonfinite: torch.Tensor, element_max: torch.Tensor):
     """scales="e4m3" (NVFP4's layout): the message scale S = max_g amax_g / (M * 448) (fp32), each group's
-    E4M3 byte b_g = e4m3(amax_g / M / S), its scale s_g = b_g * S; q = y * (1 / s_g) (0 where s_g is 0).
+    E4M3 byte b_g = e4m3(amax_g / M / S), its scale s_g = b_g * S, and 1 / s_g (0 where s_g is 0).
 
-    Returns (q, the stored bytes: [group bytes..., S as 4 little-endian bytes])."""
+    Returns (1 / s_g per group, the stored bytes: [group bytes..., S as 4 little-endian bytes])."""
     row_amax = amax.max()
     message_scale = torch.where(row_amax > 0, div_rn(row_amax, element_max * E4M3_MAX), torch.ones_like(row_amax))
     ratio = div_rn(div_rn(amax, element_max), message_scale).clamp(max=E4M3_MAX)
@@ -297,7 +313,7 @@ def _e4m3_scaled(y: torch.Tensor, amax: torch.Tensor, nonfinite: torch.Tensor, e
     group_scale = group_bytes.view(torch.float8_e4m3fn).float() * message_scale
     inverse = torch.where(group_scale > 0, div_rn(torch.ones_like(group_scale), group_scale), 0.0)
     stored = torch.cat([group_bytes, message_scale.reshape(1).view(torch.uint8)])
-    return y * inverse[:, None], stored
+    return inverse, stored
 
 
 def decode_scale(scales: torch.Tensor, settings: CodecSettings) -> torch.Tensor:
@@ -312,12 +328,21 @@ def decode_scale(scales: torch.Tensor, settings: CodecSettings) -> torch.Tensor:
     return scales[:, 0]
 
 
+def _decode_multiplier(scales: torch.Tensor, settings: CodecSettings) -> torch.Tensor:
+    """Per-group multiplier of the codes before the inverse transform: the scale, times 1/sqrt(G) with ASH
+    (H / sqrt(G) is its own inverse; folded here, rounded once per group)."""
+    scale = decode_scale(scales, settings)
+    if settings.transform == "none":
+        return scale
+    return scale * _f32(inv_sqrt_group(settings.group_size), scale)
+
+
 def decode_groups(codes: torch.Tensor, scales: torch.Tensor, settings: CodecSettings) -> torch.Tensor:
     """Decode a message's codes (see :func:`code_values`) and their scales back to fp32 groups [n, G]."""
-    y = code_values(codes, settings.format) * decode_scale(scales, settings)[:, None]
+    y = code_values(codes, settings.format) * _decode_multiplier(scales, settings)[:, None]
     if settings.transform == "none":
         return y
-    x = fwht(y) * _f32(inv_sqrt_group(settings.group_size), y)
+    x = fwht(y)
     if settings.scales == "dual":
         x = div_rn(x, scales[:, 1:2])
     return x
@@ -339,7 +364,7 @@ def decode_sum_groups(
         return total
     acc = torch.zeros(codes[0].shape[0], settings.group_size, dtype=torch.float32, device=codes[0].device)
     for c, s in zip(codes, scales):
-        acc = acc + code_values(c, settings.format) * decode_scale(s, settings)[:, None]
+        acc = acc + code_values(c, settings.format) * _decode_multiplier(s, settings)[:, None]
     if settings.transform == "none":
         return acc
-    return fwht(acc) * _f32(inv_sqrt_group(settings.group_size), acc)
+    return fwht(acc)
