@@ -11,7 +11,7 @@ import zlib
 import pytest
 import torch
 
-from megatron_taco.codec import TacoCodec, kernels
+from megatron_taco.codec import TacoCodec, kernels, reference
 from megatron_taco.codec.format import CodecSettings
 from megatron_taco.testing import float64 as f64
 from megatron_taco.testing.tensors import DISTRIBUTIONS, near_underflow_groups
@@ -101,6 +101,46 @@ def test_a_near_underflow_group_compresses_to_the_references_bytes(fmt, transfor
     x = near_underflow_groups(rows=6, seed=3, low=1.2e-38, high=high)
     expected = TacoCodec(128, fmt, transform, scales, backend="torch").compress(x)
     assert torch.equal(TacoCodec(128, fmt, transform, scales, backend="triton").compress(x.to(DEVICE)).cpu(), expected)
+
+
+@pytest.mark.parametrize("fmt, top, value", [("e4m3", 104.0, 39.0), ("int4", 14.0, 7.0)])
+def test_the_hadamard_scale_is_folded_into_the_group_multiplier(fmt, top, value):
+    """Compress rounds q = H(x) * (m * M / max|y|) with m = 1/sqrt(G) rounded into the group's multiplier (2a7090e),
+    not (H(x) * m) * (M / max|y|). On this group (H(x) = [top, value, 0, ...], found by a search over integers) the
+    two orders give different codes, so the kernel writes the reference's bytes only in the reference's order."""
+    h = torch.zeros(1, 128)
+    h[0, 0], h[0, 1] = top, value
+    x = reference.fwht(h) / 128  # H(H(h)) = 128 h; small integers over 128: every step exact
+    settings = TacoCodec(128, fmt).settings
+    assert torch.equal(reference.fwht(x), h)
+    codes, _ = reference.encode_groups(x, settings)
+    m = torch.tensor(reference.inv_sqrt_group(128))
+    other_order = (torch.tensor(value) * m) * reference.div_rn(torch.tensor(settings.format.max_value), top * m)
+    if fmt == "int4":
+        other_code = reference.round_to_integer(other_order)
+    else:
+        other_code = other_order.to(torch.float8_e4m3fn).float()
+    assert reference.code_values(codes, settings.format)[0, 1] != other_code
+    expected = TacoCodec(128, fmt, backend="torch").compress(x)
+    assert torch.equal(TacoCodec(128, fmt, backend="triton").compress(x.to(DEVICE)).cpu(), expected)
+
+
+@pytest.mark.parametrize("transform", ["none", "ash"])
+def test_int4_groups_far_below_the_row_max_saturate_instead_of_wrapping(transform):
+    """scales="e4m3": a group whose E4M3 scale byte is an E4M3 subnormal rounded down (1.45 * 2^-9 -> 2^-9) has
+    |q| up to 7 * 1.45: the clamp to +-7 keeps its largest code from wrapping to a negative nibble. (2a7090e skips
+    the clamp only where the scale is at least max|y| / M: fp32, dual and e8m0 scales.)"""
+    y = torch.zeros(2, 16)
+    y[0, 0] = 1.0  # the message's max |y|: S = 1 / (7 * 448)
+    y[1, 0] = 1.45 * 2.0**-9 / 448  # group 1's byte: e4m3(448 * max) = e4m3(1.45 * 2^-9) = 2^-9
+    y[1, 1] = -0.5 * y[1, 0]
+    x = reference.fwht(y) * 0.25 if transform == "ash" else y  # 1/sqrt(16) = 0.25: the transform gives y back
+    codec = TacoCodec(16, "int4", transform, "e4m3", backend="torch")
+    message = codec.compress(x)
+    assert torch.equal(TacoCodec(16, "int4", transform, "e4m3", backend="triton").compress(x.to(DEVICE)).cpu(), message)
+    decoded = codec.decompress(message, x.shape)
+    decoded_y = reference.fwht(decoded) * 0.25 if transform == "ash" else decoded
+    assert decoded_y[1, 0] > 0.5 * y[1, 0]  # saturated at +7 steps (wrapped: -6 steps, negative)
 
 
 @pytest.mark.parametrize("settings", SETTINGS, ids=_ids)
