@@ -26,7 +26,8 @@ gradients' 4-bit codes with ``+sr`` and each ``@OVERRIDE`` as a ``--taco-overrid
 (``int4-ash/fp8-ash@1,8:mode=fp8-ash``: FP8 in layers 1 and 8), every message compressed (no link policy: a loss
 study must compress). ``FIRST>STEP>THEN`` trains with arm FIRST (a TACO arm) for steps 1..STEP and THEN's settings
 after (``int4-ash/fp8-ash>800>fp8-ash``: 4-bit forward, FP8 for the last 200 steps of 1000; THEN may be ``none``):
-the lead that the 4-bit gaps open late in the decay of the learning rate. (The switch makes new codecs: a ``+sr``
+the lead that the 4-bit gaps open late in the decay of the learning rate; the trainer's ``--taco-switch`` does the same
+with THEN's whole settings. (The switch makes new codecs: a ``+sr``
 arm's stochastic rounding draws other noise after it.)
 Seed s sets the initialisation and the order of the training data, the same for every arm; the data is real
 text (the Python standard library's sources, byte-level, or with ``--vocab-size V`` a BPE vocabulary of V tokens
@@ -69,7 +70,6 @@ import torch
 import yaml
 
 from megatron_taco.config.taco import TacoConfig, add_taco_args, taco_config_from_args
-from megatron_taco.megatron.attach import attach_taco
 from megatron_taco.testing.distributed import run_distributed
 from megatron_taco.training.data import cache_stdlib_text, stdlib_text_batches
 from megatron_taco.training.loop import TrainConfig, Trainer
@@ -184,7 +184,7 @@ def _run(model: str, arm: str, seed: int, steps: int, micro_batches: int, micro_
         lr_decay_iters=steps,
         min_lr=lr / 10,
         seed=1234 + seed,
-        taco=first,
+        taco=first if switch is None else dataclasses.replace(first, switch=switch),  # --taco-switch's mechanism
     )
     trainer = Trainer(cfg)
     if loopback and arm != CONTROL_ARM:
@@ -201,8 +201,6 @@ def _run(model: str, arm: str, seed: int, steps: int, micro_batches: int, micro_
     losses = []
     with _nondeterministic_ops() as nondeterministic:
         for step in range(1, steps + 1):
-            if switch is not None and step == switch[0] + 1:  # the linears read their settings at every call
-                attach_taco(trainer.models, switch[1])
             losses.append(trainer.train_step(data)["loss"])
             if step % 250 == 0 and torch.distributed.get_rank() == 0:
                 print(f"  {_key(arm, seed)}: step {step}/{steps}, train loss {losses[-1]:.4f}, "

@@ -202,6 +202,8 @@ ROWS = [
     _row("socket", "gpt", "te", "bf16", "int4-ash-fp8bwd", repeats=3),
     _row("socket", "gpt", "te", "bf16", "int4-ash-edges", repeats=3),
     _row("socket", "gpt", "te", "fp8", "int4-ash-edges", repeats=3),
+    # --taco-switch on the real training loop: INT4 forward until iteration 10 of 20, then FP8 (the log says when)
+    _row("socket", "gpt", "te", "bf16", "int4-ash-switch"),
     # PP=2: MAPL at the stage boundary (TP=1), Megatron-LM's own 1F1B schedule
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, repeats=3),
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="1"),  # r = d: the loss must match uncompressed
@@ -237,6 +239,7 @@ SUITES = {
         "socket-gpt-te-bf16-int4-ash-fp8bwd",
         "socket-gpt-te-bf16-int4-ash-edges",
         "socket-gpt-te-fp8-int4-ash-edges",
+        "socket-gpt-te-bf16-int4-ash-switch",
     ],
     "all": [row.name for row in ROWS],
 }
@@ -252,11 +255,13 @@ PARALLEL = {
     ],
     2: ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "4", "--global-batch-size", "16"],
 }
-# TACO settings by row name: a --taco-mode, a 4-bit forward with FP8 gradients, and that with the edge layers at FP8
+# TACO settings by row name: a --taco-mode, a 4-bit forward with FP8 gradients, that with the edge layers at FP8, and
+# that switched to FP8 after iteration 10
 TACO = {mode: ["--taco-mode", mode] for mode in ("none", "fp8", "fp8-ash", "fp4-ash", "int4-ash")}
 TACO["fp4-ash-fp8bwd"] = ["--taco-mode", "fp4-ash", "--taco-bwd-mode", "fp8-ash"]
 TACO["int4-ash-fp8bwd"] = ["--taco-mode", "int4-ash", "--taco-bwd-mode", "fp8-ash"]
 TACO["int4-ash-edges"] = TACO["int4-ash-fp8bwd"] + ["--taco-override", "1,last:mode=fp8-ash"]
+TACO["int4-ash-switch"] = TACO["int4-ash-fp8bwd"] + ["--taco-switch", "10:mode=fp8-ash"]
 MAPL = {
     "none": [],
     "1": ["--mapl-ratio", "1"],

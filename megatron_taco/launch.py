@@ -34,7 +34,13 @@ from typing import Callable, Iterator, List, Optional
 from megatron_taco.config.errors import ConfigError
 from megatron_taco.config.mapl import add_mapl_args
 from megatron_taco.codec.taco import describe_backend
-from megatron_taco.config.taco import TacoConfigError, add_taco_args, check_backend_runs_here, taco_config_from_args
+from megatron_taco.config.taco import (
+    TacoConfigError,
+    add_taco_args,
+    check_backend_runs_here,
+    check_switch_before_end,
+    taco_config_from_args,
+)
 from megatron_taco.mapl import megatron_lm as mapl_hooks
 
 __all__ = ["check_megatron_args", "install_hooks", "log_telemetry", "use_checkout_of", "main"]
@@ -91,6 +97,7 @@ def check_megatron_args(args: argparse.Namespace):
     if not cfg.enabled:
         return cfg
     cfg = cfg.for_model(args.num_layers)
+    check_switch_before_end(cfg, getattr(args, "train_iters", None))
     check_backend_runs_here(cfg.backend)
     if getattr(args, "tp_comm_overlap", False):
         raise TacoConfigError(
@@ -170,10 +177,12 @@ def _patch_model_build() -> None:
                 if first_of_stage:
                     print(
                         f"megatron_taco: TACO {cfg.default.describe_modes()} ({getattr(self.config, 'transformer_impl', 'local')} "
-                        f"linears, {stage}): {attached.describe()}; codec "
+                        f"linears, {stage}): {attached.describe()}{cfg.describe_switch()}; codec "
                         f"{describe_backend(cfg.backend, torch.cuda.is_available())}",
                         flush=True,
                     )
+                if cfg.switch is not None:
+                    _switch_before_forward(self, cfg, stage, first_of_stage)
             boundaries = mapl_hooks.attach(self)
         except ValueError as exc:  # a ConfigError, or a model TACO or MAPL cannot attach to
             _fail(str(exc))
@@ -182,6 +191,22 @@ def _patch_model_build() -> None:
             print(f"megatron_taco: MAPL ({stage}, chunk {chunk}): {boundaries}", flush=True)
 
     GPTModel.__init__ = init
+
+
+def _switch_before_forward(model, cfg, stage: str, log: bool) -> None:
+    """--taco-switch: before each forward, Megatron-LM's ``args.curr_iteration`` (the iterations done) decides."""
+    from megatron.training import get_args
+
+    from megatron_taco.megatron.attach import TacoSwitch
+
+    switch = TacoSwitch([model], cfg)
+
+    def before_forward(module, inputs):
+        attached = switch(getattr(get_args(), "curr_iteration", 0))
+        if attached is not None and log:
+            print(f"megatron_taco: TACO after iteration {cfg.switch[0]} ({stage}): {attached.describe()}", flush=True)
+
+    model.register_forward_pre_hook(before_forward)
 
 
 def _patch_training_log() -> None:

@@ -54,6 +54,18 @@ def _startup_error(argv, world_size=2) -> str:
         ),
         (["--data", "no/such/folder"], "--data no/such/folder: no such file or directory"),
         (["--taco-layers", "2-99"], "--taco-layers: layer range 2-99 exceeds the model's 4 layers"),
+        (["--taco-switch", "mode=fp8"], "--taco-switch: invalid value 'mode=fp8'; use ITER:key=value[,key=value]"),
+        (["--taco-switch", "0:mode=fp8"], "--taco-switch: invalid value '0'; expected an integer >= 1"),
+        (["--taco-switch", "5:layers=2"], "--taco-switch: unknown key 'layers' in '5:layers=2'; keys: mode, bwd_mode"),
+        (
+            ["--taco-switch", "5:mode=fp8", "--taco-scales", "e4m3", "--taco-mode", "int4"],
+            "--taco-scales e4m3 (E4M3 group scales times a message scale, NVFP4's layout) is for the 4-bit modes, not "
+            "--taco-mode fp8; use fp32, dual or e8m0 with FP8 (in --taco-switch '5:mode=fp8')",
+        ),
+        (
+            ["--taco-switch", "10:mode=none", "--train-iters", "10"],
+            "--taco-switch: iteration 10 is not before the run's last (--train-iters 10)",
+        ),
         (["--mapl-ratio", "4"], "--mapl-ratio/--mapl-rank need --pipeline-model-parallel-size > 1"),
         (
             ["--sequence-parallel", "--tensor-model-parallel-size", "1", "--global-batch-size", "16"],

@@ -79,6 +79,27 @@ def test_launcher_resolves_last_to_the_models_last_layer(tmp_path):
     assert proc.returncode == 2 and "--taco-layers: layer range 4-last is empty in a model of 3 layers" in proc.stderr
 
 
+def test_launcher_switches_settings_after_the_iteration(tmp_path):
+    """--taco-switch: INT4 forward traffic until iteration 5, then FP8; the edge override follows the new flags.
+    The stand-in runs forward passes with args.curr_iteration set first, as Megatron-LM 0.19's train() does."""
+    flags = ["--taco-mode", "int4-ash", "--taco-bwd-mode", "fp8-ash", "--taco-override", "1:mode=fp8-ash"]
+    proc, report = _launch(tmp_path, *flags, "--taco-switch", "5:mode=fp8-ash", "--train-iters", "10")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert report["fc2_fwd_format_at"] == {
+        "0": ["e4m3", "int4", "int4"],
+        "4": ["e4m3", "int4", "int4"],
+        "5": ["e4m3", "e4m3", "e4m3"],
+    }
+    assert "; after iteration 5: fp8-ash and its overrides; codec" in proc.stdout
+    assert (
+        "megatron_taco: TACO after iteration 5 (pipeline stage 0): qkv 1-3, proj 1-3, fc1 1-3, fc2 1-3" in proc.stdout
+    )
+    proc, _ = _launch(tmp_path, *flags, "--taco-switch", "10:mode=fp8-ash", "--train-iters", "10")
+    assert proc.returncode == 2 and "--taco-switch: iteration 10 is not before the run's last (--train-iters 10)" in (
+        proc.stderr
+    )
+
+
 def test_launcher_without_taco_flags_keeps_stock_behaviour(tmp_path):
     proc, report = _launch(tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -92,6 +113,8 @@ def test_launcher_without_taco_flags_keeps_stock_behaviour(tmp_path):
         (["--taco-mode", "int8"], "--taco-mode: invalid value 'int8'"),
         (["--taco-mode", "fp8", "--tp-comm-overlap"], "--taco-mode fp8 with --tp-comm-overlap"),
         (["--taco-mode", "fp8", "--taco-layers", "2-9"], "--taco-layers: layer range 2-9 exceeds"),
+        (["--taco-mode", "int4-ash", "--taco-switch", "800"], "--taco-switch: invalid value '800'; use ITER:key=value"),
+        (["--taco-mode", "int4-ash", "--taco-switch", "8:mode=fp9"], "--taco-switch mode: invalid value 'fp9'"),
         (["--mapl-ratio", "8"], "--mapl-ratio/--mapl-rank need --pipeline-model-parallel-size > 1"),
         (["--mapl-anchor-rank", "8"], "--mapl-anchor-rank given without --mapl-ratio"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag (see pretrain_standin.py --help)"),

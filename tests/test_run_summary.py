@@ -139,6 +139,20 @@ def test_taco_summary_counts_every_rank_and_the_whole_run_also_on_ctrl_c():
     assert "mapl" not in out.lower()
 
 
+def test_taco_switch_turns_compression_off_after_its_iteration():
+    """--taco-switch 2:mode=none: steps 1-2 compress every message, step 3 none; one line says when, and the
+    summary counts the compressed messages of two steps."""
+    out, err, code, _ = run_distributed(
+        _trainer, 2, ["--config", TINY, "--train-iters", "3", "--taco-switch", "2:mode=none"], timeout=300
+    )[0]
+    assert code is not None and not isinstance(code, int), err[-3000:]
+    assert "; after iteration 2: none; min-bytes" in out
+    assert _one(r"^TACO after iteration 2 on this rank's layers: (.*)$", out) == "qkv -, proj -, fc1 -, fc2 -"
+    messages_per_step = LAYERS * (GLOBAL // MICRO) * 2 * 8  # layers x micro-batches x ranks x SP's 8 messages
+    compressed = _one(r"^run summary: TACO tensor-parallel traffic, .*; (\d+) of \d+ messages compressed", out)
+    assert int(compressed) == 2 * messages_per_step
+
+
 MAPL_PP2 = [
     "--config",
     TINY,

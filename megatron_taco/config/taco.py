@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
-from typing import Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Dict, FrozenSet, Optional, Sequence, Tuple
 
 from megatron_taco.codec.format import FP8_FORMATS, GROUP_SIZES, SCALE_MODES
 from megatron_taco.codec.taco import BACKENDS
@@ -24,6 +24,7 @@ __all__ = [
     "TacoConfig",
     "add_taco_args",
     "check_backend_runs_here",
+    "check_switch_before_end",
     "taco_config_from_args",
 ]
 
@@ -92,10 +93,25 @@ class TacoConfig:
     backend: str = "auto"
     log_interval: int = 10
     error_sample_interval: int = 10
+    # --taco-switch: (ITER, the settings from iteration ITER + 1 on), e.g. INT4 early and FP8 for the last steps
+    switch: Optional[Tuple[int, "TacoConfig"]] = None
 
     @property
     def enabled(self) -> bool:
-        return self.default.enabled or any(s.enabled for _, s in self.overrides)
+        return (
+            self.default.enabled
+            or any(s.enabled for _, s in self.overrides)
+            or (self.switch is not None and self.switch[1].enabled)
+        )
+
+    def describe_switch(self) -> str:
+        """'' or, with --taco-switch, e.g. '; after iteration 800: fp8-ash'."""
+        if self.switch is None:
+            return ""
+        iteration, then = self.switch
+        return f"; after iteration {iteration}: {then.default.describe_modes()}" + (
+            " and its overrides" if then.overrides else ""
+        )
 
     def for_layer(self, layer_number: int) -> LinearSettings:
         """Settings of a 1-based global layer: the last matching override, else the default if selected."""
@@ -129,6 +145,7 @@ class TacoConfig:
             self,
             layers=None if self.layers is None else resolve("--taco-layers", self.layers),
             overrides=tuple((resolve("--taco-override", r), settings) for r, settings in self.overrides),
+            switch=None if self.switch is None else (self.switch[0], self.switch[1].for_model(num_layers)),
         )
 
 
@@ -199,6 +216,11 @@ def _parse_override(text: str, base: LinearSettings) -> Tuple[Tuple[Tuple[int, i
         raise TacoConfigError(f"{flag}: invalid value {text!r}; use RANGES:key=value[,key=value] e.g. '1-2:mode=none'")
     range_text, settings_text = text.split(":", 1)
     ranges = parse_layer_ranges(range_text, flag) or ((1, LAST),)
+    return ranges, _changed_settings(settings_text, base, flag, text)
+
+
+def _changed_settings(settings_text: str, base: LinearSettings, flag: str, text: str) -> LinearSettings:
+    """``base`` with the 'key=value,...' of ``settings_text`` (a value of ``flag``: ``text``), checked."""
     changes: Dict[str, object] = {}
     for item in settings_text.split(","):
         if "=" not in item:
@@ -209,7 +231,17 @@ def _parse_override(text: str, base: LinearSettings) -> Tuple[Tuple[Tuple[int, i
         changes[key] = _OVERRIDE_KEYS[key](value, f"{flag} {key}")
     settings = dataclasses.replace(base, **changes)
     _check_combinations(settings, f" (in {flag} {text!r})")
-    return ranges, settings
+    return settings
+
+
+def _parse_switch(text: str, base: LinearSettings) -> Tuple[int, LinearSettings]:
+    """'800:mode=fp8-ash' -> (800, the flags' settings with those keys): what every layer's flags become after
+    iteration 800 (the overrides then start from them)."""
+    flag = "--taco-switch"
+    iteration_text, _, settings_text = text.partition(":")
+    if not settings_text:
+        raise TacoConfigError(f"{flag}: invalid value {text!r}; use ITER:key=value[,key=value] e.g. '800:mode=fp8-ash'")
+    return _positive_int(iteration_text.strip(), flag, 1), _changed_settings(settings_text, base, flag, text)
 
 
 def add_taco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -253,6 +285,13 @@ def add_taco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=[],
         help="per-range settings, repeatable: 'RANGES:key=value,...' (RANGES as --taco-layers), keys mode, linears, "
         "direction, group_size, fmt, scales, bwd_mode; e.g. '1-2:mode=none' or '1,last:mode=fp8-ash'",
+    )
+    group.add_argument(
+        "--taco-switch",
+        default=None,
+        help="'ITER:key=value,...': after iteration ITER the flags take these settings (keys as --taco-override; "
+        "the overrides then start from them), e.g. --taco-mode int4-ash --taco-bwd-mode fp8-ash "
+        "--taco-switch 800:mode=fp8-ash: INT4 forward traffic, then FP8 for the low-learning-rate end",
     )
     group.add_argument(
         "--taco-min-bytes",
@@ -365,22 +404,43 @@ def taco_config_from_args(args: argparse.Namespace) -> TacoConfig:
         scales=_choice(args.taco_scales, SCALES, "--taco-scales"),
     )
     _check_combinations(default)
-    overrides: List = [_parse_override(text, default) for text in args.taco_override]
     backend = _choice(args.taco_backend, BACKENDS, "--taco-backend")
-    if backend == "te":
-        _check_te_covers(default)
-        for text, (_, settings) in zip(args.taco_override, overrides):
-            _check_te_covers(settings, f" (in --taco-override {text!r})")
+
+    def overrides_from(flags: LinearSettings, switch_text: Optional[str] = None) -> Tuple:
+        """The --taco-override settings over ``flags`` (the flags' own, or after --taco-switch), checked."""
+        after = "" if switch_text is None else f", after --taco-switch {switch_text!r}"
+        overrides = [_parse_override(text, flags) for text in args.taco_override]
+        if backend == "te":
+            _check_te_covers(flags, "" if switch_text is None else f" (in --taco-switch {switch_text!r})")
+            for text, (_, settings) in zip(args.taco_override, overrides):
+                _check_te_covers(settings, f" (in --taco-override {text!r}{after})")
+        return tuple(overrides)
+
     min_bytes = (
         None if str(args.taco_min_bytes).strip() == "auto" else parse_bytes(args.taco_min_bytes, "--taco-min-bytes")
     )
-    return TacoConfig(
+    config = TacoConfig(
         default=default,
         layers=parse_layer_ranges(args.taco_layers, "--taco-layers"),
-        overrides=tuple(overrides),
+        overrides=overrides_from(default),
         min_bytes=min_bytes,
         chunk_bytes=parse_bytes(args.taco_chunk_bytes, "--taco-chunk-bytes"),
         backend=backend,
         log_interval=_positive_int(args.taco_log_interval, "--taco-log-interval"),
         error_sample_interval=_positive_int(args.taco_error_sample_interval, "--taco-error-sample-interval"),
     )
+    switch_text = getattr(args, "taco_switch", None)
+    if switch_text is None:
+        return config
+    iteration, switched = _parse_switch(switch_text, default)
+    then = dataclasses.replace(config, default=switched, overrides=overrides_from(switched, switch_text))
+    return dataclasses.replace(config, switch=(iteration, then))
+
+
+def check_switch_before_end(config: TacoConfig, train_iters: Optional[int]) -> None:
+    """--taco-switch ITER must come before the run's last iteration (``train_iters``; None: unknown)."""
+    if config.switch is not None and train_iters is not None and config.switch[0] >= train_iters:
+        raise TacoConfigError(
+            f"--taco-switch: iteration {config.switch[0]} is not before the run's last (--train-iters {train_iters}); "
+            "nothing would train with the switched settings"
+        )

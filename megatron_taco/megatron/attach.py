@@ -23,7 +23,7 @@ from megatron_taco.config.taco import LINEARS, LinearSettings, TacoConfig
 from megatron_taco.megatron.taco_linears import LinearCompression, compress_local_linear
 from megatron_taco.megatron.te_linears import TeCompression, compress_te_linear, is_te_linear
 
-__all__ = ["Attached", "format_ranges", "unwrap", "attach_taco"]
+__all__ = ["Attached", "TacoSwitch", "format_ranges", "unwrap", "attach_taco"]
 
 # linear name in the flags -> (submodule, attribute) inside a TransformerLayer
 _LINEAR_PATHS = {
@@ -158,3 +158,21 @@ def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> 
     stock_parts = [f"layers {format_ranges(sorted(numbers))} {part}" for part, numbers in stock.items()]
     modes = {mode: sorted(numbers) for mode, numbers in modes.items()}
     return Attached(compressed, stock_parts, modes, config.default.describe_modes())
+
+
+class TacoSwitch:
+    """--taco-switch on built model chunks: attaches the switched settings once ``completed`` (the iterations done
+    before the next step) reaches the switch's iteration, also when a run resumes past it. Every rank calls it with
+    the same count, so the TP ranks of a linear switch between the same two steps."""
+
+    def __init__(self, model_chunks: Iterable[torch.nn.Module], config: TacoConfig):
+        self.chunks = list(model_chunks)
+        self.config = config
+        self.done = config.switch is None
+
+    def __call__(self, completed: int) -> Optional[Attached]:
+        """What the switch attached, the first time ``completed`` reaches its iteration; else None."""
+        if self.done or completed < self.config.switch[0]:
+            return None
+        self.done = True
+        return attach_taco(self.chunks, self.config.switch[1])

@@ -36,7 +36,13 @@ from megatron_taco.mapl.vq import index_bytes, packed_width
 from megatron_taco.mapl.wire import describe_compression, wire_codec
 from megatron_taco.config.errors import ConfigError, TrainConfigError
 from megatron_taco.codec.taco import describe_backend
-from megatron_taco.config.taco import TacoConfigError, add_taco_args, check_backend_runs_here, taco_config_from_args
+from megatron_taco.config.taco import (
+    TacoConfigError,
+    add_taco_args,
+    check_backend_runs_here,
+    check_switch_before_end,
+    taco_config_from_args,
+)
 from megatron_taco.megatron.telemetry import TELEMETRY, TrafficRecord
 from megatron_taco.training.checkpoint import check_saved_layout, latest_step, load_checkpoint, save_checkpoint
 from megatron_taco.training.data import byte_text_batches, stdlib_text_files, synthetic_batches
@@ -259,6 +265,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     _check_counts(args)
     try:
         args.taco = taco_config_from_args(args)
+        check_switch_before_end(args.taco, args.train_iters)
         args.mapl = mapl_config_from_args(args)
     except ConfigError as exc:  # the --taco-* and --mapl-* families
         raise StartupError(str(exc)) from None
@@ -553,7 +560,8 @@ def _train(args: argparse.Namespace) -> List[float]:
     )
     if args.taco.enabled:
         _log(
-            f"TACO {args.taco.default.describe_modes()} on this rank's layers: {trainer.taco_attached.describe()}; "
+            f"TACO {args.taco.default.describe_modes()} on this rank's layers: {trainer.taco_attached.describe()}"
+            f"{args.taco.describe_switch()}; "
             f"min-bytes {'auto' if args.taco.min_bytes is None else args.taco.min_bytes}; codec "
             f"{describe_backend(args.taco.backend, device == 'cuda')}"
         )
@@ -610,6 +618,10 @@ def _train(args: argparse.Namespace) -> List[float]:
             began = time.perf_counter()
             stats = trainer.train_step(data)
             elapsed = time.perf_counter() - began
+            if stats["taco_switched"] is not None:
+                _log(
+                    f"TACO after iteration {args.taco.switch[0]} on this rank's layers: {stats['taco_switched'].describe()}"
+                )
             losses.append(stats["loss"])
             run.add_step(elapsed, stats["loss"])
             if writer is not None:

@@ -34,7 +34,7 @@ from megatron_taco.config.mapl import MaplConfig
 from megatron_taco.config.taco import TacoConfig
 from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stage import attach_mapl, schedule_inputs, start_mapl
-from megatron_taco.megatron.attach import attach_taco
+from megatron_taco.megatron.attach import TacoSwitch, attach_taco
 from megatron_taco.megatron.specs import LOCAL_SPEC_CONFIG
 from megatron_taco.megatron.telemetry import TELEMETRY
 from megatron_taco.training.model import ModelShape, build_gpt_model, make_transformer_config
@@ -214,6 +214,7 @@ class Trainer:
         )
         self.mapl_boundaries = [b for stage in self._mapl_stages for b in stage.boundaries()]
         self.taco_attached = attach_taco(chunks, cfg.taco) if cfg.taco is not None else None
+        self.taco_switch = TacoSwitch(chunks, cfg.taco) if cfg.taco is not None else None  # --taco-switch
         if cfg.taco is not None:
             TELEMETRY.error_sample_interval = cfg.taco.error_sample_interval
         if dtype != torch.float32:  # Megatron's mixed precision: half params, fp32 logits and main params
@@ -297,7 +298,9 @@ class Trainer:
         return output, partial(_masked_mean_loss, batch["loss_mask"])
 
     def train_step(self, data_iterator: Iterator[Dict[str, torch.Tensor]]) -> Dict[str, float]:
-        """One optimizer step over ``num_microbatches``; the loss is returned on every rank."""
+        """One optimizer step over ``num_microbatches``; the loss is returned on every rank (and, the step a
+        --taco-switch attached its settings, what it attached as "taco_switched")."""
+        switched = self.taco_switch(self.step_count) if self.taco_switch is not None else None
         for model in self.models:
             model.zero_grad_buffer()
         self.optimizer.zero_grad()
@@ -315,6 +318,7 @@ class Trainer:
             "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
             "skipped": not updated,
             "codebook_rows": self.mapl_sync.codebook_rows if self.mapl_sync is not None else 0,
+            "taco_switched": switched,
         }
 
     @property

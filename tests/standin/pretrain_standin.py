@@ -11,11 +11,13 @@ import json
 import socket
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 from megatron.training.arguments import core_transformer_config_from_args, parse_args
+from megatron.training.global_vars import set_args
 from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
 
 from megatron_taco.megatron.cpu_runtime import cpu_config_overrides, enable_cpu_runtime
@@ -62,6 +64,20 @@ def main():
         ],
         "final_norm": type(model.decoder.final_layernorm).__name__,
     }
+    if (
+        args.taco_switch is not None
+    ):  # forward passes as Megatron-LM's train() makes them: args.curr_iteration set first
+        set_args(args)  # initialize_megatron's global args, which megatron.training.get_args returns
+        switch_iteration = int(args.taco_switch.split(":")[0])
+        tokens = torch.randint(0, 128, (1, args.seq_length))
+        positions = torch.arange(args.seq_length)[None]
+        report["fc2_fwd_format_at"] = {}
+        for iteration in (0, switch_iteration - 1, switch_iteration):
+            args.curr_iteration = iteration
+            model(tokens, positions, None)
+            report["fc2_fwd_format_at"][iteration] = [
+                _forward_format(layer.mlp.linear_fc2) for layer in model.decoder.layers
+            ]
     with open(args.standin_out, "w") as f:
         json.dump(report, f)
     dist.destroy_process_group()
