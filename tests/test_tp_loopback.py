@@ -74,8 +74,10 @@ def _real(model: str, arm: str, start: dict):
     [("gpt-tiny", "fp8-ash"), ("qwen-tiny", "fp4-ash/fp8-ash"), ("gpt-tiny", "int4-ash+sr"), ("qwen-tiny", "none")],
 )
 def test_the_loopback_computes_the_gradients_and_losses_of_two_ranks(model, arm):
-    """First-step gradients within 3e-5 relative (observed: 7.3e-6 GPT FP8, where an fp32 summation-order difference
-    can move an FP8 code, so the bound leaves room for another CPU's order; 2.8e-7 Qwen FP4 / FP8; 2.2e-7 INT4 with
+    """First-step gradients within 1e-4 relative (observed: 7.3e-6 GPT FP8, where an fp32 summation-order difference
+    can move an FP8 code; Qwen FP4 / FP8 2.8e-7 with 2cc314f's codec and 6.9e-5 with 2a7090e's, whose other rounding
+    of the group multiplier moved one gradient code in layer 0 (its input norm's weight 6.9e-5, the embedding 1.9e-5,
+    every other parameter within 3e-7), so the bound leaves room for such a move; 2.2e-7 INT4 with
     stochastic rounding; 1.3e-7 uncompressed; a column backward sent uncompressed: 2.0e-2; both simulated ranks
     drawing rank 0's rounding noise: 9.5e-2) and losses of 4 steps within 5e-5 (observed 1.4e-5 GPT FP8, 2.8e-5 INT4
     stochastic; weights nudged by 1e-7 alone move a real run by 5.7e-6)."""
@@ -84,7 +86,7 @@ def test_the_loopback_computes_the_gradients_and_losses_of_two_ranks(model, arm)
     for losses, grads in ranks:
         for name, (grad, shard) in grads.items():
             expected = shard(looped_grads[name])
-            assert (grad - expected).norm() <= 3e-5 * expected.norm(), name  # (rank 1's bytes 128-255: all 0)
+            assert (grad - expected).norm() <= 1e-4 * expected.norm(), name  # (rank 1's bytes 128-255: all 0)
     assert looped[0] != looped[-1]
     assert looped == pytest.approx(ranks[0][0], rel=5e-5, abs=0)
 
