@@ -203,10 +203,13 @@ def _switch_before_forward(model, cfg, stage: str, log: bool) -> None:
 
     def before_forward(module, inputs):
         attached = switch(getattr(get_args(), "curr_iteration", 0))
-        if attached is not None and log:
+        if attached is None:
+            return
+        handle.remove()  # switched once: no check left on later forwards
+        if log:
             print(f"megatron_taco: TACO after iteration {cfg.switch[0]} ({stage}): {attached.describe()}", flush=True)
 
-    model.register_forward_pre_hook(before_forward)
+    handle = model.register_forward_pre_hook(before_forward)
 
 
 def _patch_training_log() -> None:
