@@ -96,7 +96,11 @@ def test_te_messages_match_triton_messages(settings, numel):
             )
             te_codes, te_scales = _split(te_codec, te_message, numel)
             triton_codes, triton_scales = _split(triton_codec, triton_message, numel)
-            assert torch.equal(te_codes, triton_codes), (name, dtype)
+            if settings["transform"] == "none":
+                assert torch.equal(te_codes, triton_codes), (name, dtype)
+            else:  # TE rounds fl(fl(H(x) m) * M / amax), TACO fl(H(x) * fl(m * M / amax)): rarely one step apart
+                steps = (te_codes.int() - triton_codes.int()).abs()
+                assert int(steps.max()) <= 1 and int((steps > 0).sum()) <= 2 + numel // 100_000, (name, dtype)
             ulps = (te_scales.view(torch.int32) - triton_scales.view(torch.int32)).abs()
             assert int(ulps.max()) <= 1, (name, dtype)
             truth = x_dev.double()

@@ -286,7 +286,7 @@ def encode_groups(
         stored = torch.stack([s_q, s_a], dim=-1) if settings.scales == "dual" else s_q[:, None]
     if settings.scales == "dual":  # y first: m (up to 1e3 / sqrt(G)) times M / s_q can overflow fp32
         q = (h * multiplier[:, None]) * inverse[:, None]
-    else:  # m = 1/sqrt(G) or 1: m * inverse <= 2^126 stays finite
+    else:  # m = 1/sqrt(G) or 1: m * inverse <= 2^126 with fp32 and e8m0 scales (e4m3: as finite as 1 / s_g)
         q = h * (multiplier * inverse)[:, None]
     q = q.clamp(-fmt.max_value, fmt.max_value)
     if fmt.bits == 4:  # a non-finite group's NaN scale decodes it to NaN; its codes are zeros
@@ -354,7 +354,7 @@ def decode_sum_groups(
     """Sum of the decodes of N messages' groups, in fp32 and in message order.
 
     The Hadamard is linear, so with one scale per group the products q * s are
-    summed first and transformed once: H(sum_r q_r s_r) / sqrt(G). The dual form
+    summed first and transformed once: H(sum_r q_r (s_r / sqrt(G))). The dual form
     divides each message by its own s_a after its transform, so it sums decodes.
     """
     if settings.scales == "dual":

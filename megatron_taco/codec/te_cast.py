@@ -9,7 +9,9 @@ groups whose max is below M * 2^-126: TACO floors their scale there (``reference
 not, so their codes differ (each message carries its own scales, so both still decode).
 
 What TE does not have stays in Triton: the Hadamard (``fp8-ash``: a Triton pass writes ``y = H(x) / sqrt(G)`` in
-fp32, TE casts ``y``) and the codec's non-finite rule (the same pass writes NaN over every group that holds a
+fp32, TE casts ``y``; TACO's own compress rounds ``H(x) * (m * M / amax)`` with m = 1/sqrt(G) folded in, so with the
+Hadamard a code can differ from TE's by one step: 5 of 16.7M codes of Gaussian groups in a CPU emulation of TE's
+arithmetic) and the codec's non-finite rule (the same pass writes NaN over every group that holds a
 NaN or an Inf; TE alone would saturate Inf to +-448 x scale, a wrong finite number). TE covers FP8 E4M3 / E5M2,
 group size 128, fp32 scales, nearest rounding; other settings are refused by name (``check_te_settings``).
 The header's encoder nibble says the message was encoded by TE (``format.ENCODERS``).
