@@ -117,12 +117,48 @@ def test_the_hadamard_scale_is_folded_into_the_group_multiplier(fmt, top, value)
     m = torch.tensor(reference.inv_sqrt_group(128))
     other_order = (torch.tensor(value) * m) * reference.div_rn(torch.tensor(settings.format.max_value), top * m)
     if fmt == "int4":
-        other_code = reference.round_to_integer(other_order)
+        other_code = torch.round(other_order)
     else:
         other_code = other_order.to(torch.float8_e4m3fn).float()
     assert reference.code_values(codes, settings.format)[0, 1] != other_code
     expected = TacoCodec(128, fmt, backend="torch").compress(x)
     assert torch.equal(TacoCodec(128, fmt, backend="triton").compress(x.to(DEVICE)).cpu(), expected)
+
+
+def test_int4_rounds_the_exact_product_once():
+    """INT4 to nearest rounds q = H(x) * (m * M / max|y|) to an integer from the exact product (the kernel's fused
+    multiply-add; the reference's fp64 product), not from q rounded to fp32 first. On this group (H(x) = [10, 5,
+    0, ...], found by a search) element 1's product is 3.49999994: rounded to fp32 first it is the tie 3.5, which
+    goes to 4; once, it is 3."""
+    h = torch.zeros(1, 128)
+    h[0, 0], h[0, 1] = 10.0, 5.0
+    x = reference.fwht(h) / 128
+    settings = TacoCodec(128, "int4").settings
+    m = torch.tensor(reference.inv_sqrt_group(128))
+    factor = m * reference.div_rn(torch.tensor(7.0), 10.0 * m)
+    assert (5.0 * factor).item() == 3.5 and 5.0 * factor.double().item() < 3.5
+    codes, _ = reference.encode_groups(x, settings)
+    assert reference.code_values(codes, settings.format)[0, :2].tolist() == [7.0, 3.0]
+    expected = TacoCodec(128, "int4", backend="torch").compress(x)
+    assert torch.equal(TacoCodec(128, "int4", backend="triton").compress(x.to(DEVICE)).cpu(), expected)
+
+
+def test_e4m3_scaled_messages_of_tiny_values_keep_zeros_zero():
+    """scales="e4m3": the message scale is floored at 2^-117, so the smallest group scale (E4M3's 2^-9 times it)
+    is 2^-126 and its inverse finite. Below, a message of max 1e-36 had groups with 1 / s_g = Inf, and their
+    zeros became 0 * Inf = NaN: the reference coded them 0, the kernel -7 (its bytes differed), and the decode
+    held NaN or +-7 steps where the input was 0."""
+    y = torch.zeros(4, 16)
+    y[0, 0] = 1e-36  # the message's max: S = 1e-36 / (7 * 448), below the floor
+    y[1, 0], y[2, 3], y[3, 5] = 5e-42, -3e-42, 1e-42  # groups whose byte is E4M3's smallest, 2^-9, beside zeros
+    x = y.reshape(-1)
+    codec = TacoCodec(16, "int4", "none", "e4m3", backend="torch")
+    message = codec.compress(x)
+    assert torch.equal(TacoCodec(16, "int4", "none", "e4m3", backend="triton").compress(x.to(DEVICE)).cpu(), message)
+    decoded = codec.decompress(message, x.shape)
+    assert torch.isfinite(decoded).all()
+    assert (decoded[x == 0] == 0).all()
+    assert (decoded[0] - x[0]).abs() <= x[0] / 7
 
 
 @pytest.mark.parametrize("transform", ["none", "ash"])

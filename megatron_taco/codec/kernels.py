@@ -45,6 +45,10 @@ __all__ = ["LAUNCH_CONFIG", "compress_rows", "decompress_rows", "transform_rows"
 
 _SCALE_MODE_IDS = {"fp32": 0, "dual": 1, "e8m0": 2, "e4m3": 3}
 SCALE_FLOOR = tl.constexpr(2.0**reference.SCALE_FLOOR_EXPONENT)  # s_q >= this with fp32 / dual scales
+MESSAGE_SCALE_FLOOR = tl.constexpr(2.0**reference.MESSAGE_SCALE_FLOOR_EXPONENT)  # S >= this with e4m3 scales
+# 1.5 * 2^23 + 8: fp32 values in [2^23, 2^24) are the integers, so adding it to |q| < 2^22 rounds q to an integer n
+# (ties to even: the constant is even) and leaves the bits 0x4B400008 + n
+INT4_BIAS = tl.constexpr(12582920.0)
 # GPU launch shape, per kernel: (warps, elements per thread E; at least one access, at most G). Chosen from the sweep
 # in benchmarks/kernels.py (see benchmarks/results/kernels.md).
 LAUNCH_CONFIG = {"compress": (2, 32), "decompress_sum": (2, 32)}
@@ -71,6 +75,50 @@ def _to_rows(v, BLOCK_G: tl.constexpr, UNITS: tl.constexpr):
 def _to_tile(v, BLOCK_G: tl.constexpr, UNITS: tl.constexpr, THREADS: tl.constexpr, W: tl.constexpr):
     """[BLOCK_G, UNITS] -> the memory order [THREADS, BLOCK_G, K, W] of ``_tile_offsets`` (``_to_rows`` undone)."""
     return tl.permute(tl.reshape(v, (BLOCK_G, THREADS, UNITS // (THREADS * W), W)), (1, 0, 2, 3))
+
+
+@triton.jit
+def _load_groups(
+    x_ptr,
+    groups,
+    numel,
+    BLOCK_G: tl.constexpr,
+    G: tl.constexpr,
+    THREADS: tl.constexpr,
+    X_VEC: tl.constexpr,
+    X_WORDS: tl.constexpr,
+):
+    """The groups' input elements as fp32 [BLOCK_G, G], zero past ``numel``.
+
+    X_WORDS (bf16 input, rows 4-byte aligned, ``numel`` even): read as 32-bit words of two elements and widened
+    with one bit operation each, element 2j = word << 16 and 2j + 1 = word & 0xFFFF0000 (bf16 is fp32's top half),
+    where the cast took 1.5 instructions per element (a byte permute and a shift for each high half)."""
+    if X_WORDS:
+        offsets = _tile_offsets(groups, G // 2, THREADS, X_VEC // 2)
+        words = tl.load(x_ptr.to(tl.pointer_type(tl.uint32)) + offsets, mask=offsets < numel // 2, other=0)
+        even = (words << 16).to(tl.float32, bitcast=True)
+        odd = (words & 0xFFFF0000).to(tl.float32, bitcast=True)
+        x = tl.reshape(tl.join(even, odd), (THREADS, BLOCK_G, G // (THREADS * X_VEC), X_VEC))
+    else:
+        offsets = _tile_offsets(groups, G, THREADS, X_VEC)
+        x = tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
+    return _to_rows(x, BLOCK_G, G)
+
+
+@triton.jit
+def _pack_nibble_words(values, BLOCK_G: tl.constexpr, G: tl.constexpr):
+    """[BLOCK_G, G] uint32 -> [BLOCK_G, G / 8] uint32: sum of values[8w + i] << 4i, wrapping (element 8w in the
+    low nibble, as the wire's bytes 4w..4w+3 read little-endian). Three levels of v_lo + (v_hi << k), one
+    shift-and-add (LEA) each per pair: 7 instructions per 8 elements. A value's bits above its nibble carry
+    into the next nibbles; a caller whose values are c_i + B (c_i < 16, B the same for all) subtracts
+    B * 0x11111111 once per word."""
+    v = tl.reshape(values, (BLOCK_G, G // 2, 2))
+    lo, hi = tl.split(v)
+    v = tl.reshape(lo + (hi << 4), (BLOCK_G, G // 4, 2))
+    lo, hi = tl.split(v)
+    v = tl.reshape(lo + (hi << 8), (BLOCK_G, G // 8, 2))
+    lo, hi = tl.split(v)
+    return lo + (hi << 16)
 
 
 @triton.jit
@@ -147,6 +195,17 @@ def _e2m1_codes(a, signed):
 
 
 @triton.jit
+def _int4_biased(a, b, HW_ROUNDING: tl.constexpr):
+    """rint(a * b) + INT4_BIAS in fp32: the exact product rounded once to an integer (ties to even), in one fused
+    multiply-add (``reference._int4_codes``). The interpreter's fma may round twice, so there in fp64, where the
+    product of two fp32 is exact and adding 1.5 * 2^52 rounds it to an integer."""
+    if HW_ROUNDING:
+        return tl.fma(a, b, INT4_BIAS)
+    product = a.to(tl.float64) * b.to(tl.float64)
+    return ((product + 6755399441055744.0) - 6755399441055744.0).to(tl.float32) + INT4_BIAS
+
+
+@triton.jit
 def _uniform_noise(index):
     """u in [0, 1) from int64 ``index`` (0..2^32-1): lowbias32 in wrapping 64-bit products masked to 32 bits,
     then its top 24 bits (``reference.uniform_noise``)."""
@@ -170,9 +229,10 @@ def _stochastic_magnitude(a, u, INTEGER: tl.constexpr, MAX: tl.constexpr):
 
 @triton.jit
 def _four_bit_values(codes, INTEGER: tl.constexpr):
-    """fp32 values of 4-bit codes (int32 0..15): INT4 two's complement, or E2M1 (``reference.code_values``)."""
+    """fp32 values of 4-bit codes in the low 4 bits of 32-bit ``codes`` (bits above ignored): INT4 two's
+    complement (sign-extended from bit 3: one bit-field extract), or E2M1 (``reference.code_values``)."""
     if INTEGER:
-        return ((codes ^ 8) - 8).to(tl.float32)
+        return ((codes.to(tl.int32, bitcast=True) << 28) >> 28).to(tl.float32)
     # s|ee|m into an fp32's sign, the bottom of its exponent and the top of its mantissa: 2^(e - 127) (1 + m / 2)
     # = value * 2^-126 for e > 0, and the subnormal m 2^-127 = value * 2^-126 for e = 0; times 2^126, exact
     bits = ((codes & 7) << 22) | ((codes & 8) << 28)
@@ -240,6 +300,7 @@ def _first_pass_kernel(
     WRITE_Y: tl.constexpr,  # True: out = y [R, n_groups * G]; False: out = per-group max [R, n_groups]
     THREADS: tl.constexpr,  # threads per group (``_tile_offsets``)
     X_VEC: tl.constexpr,  # input elements per access (16 bytes)
+    X_WORDS: tl.constexpr,  # bf16 input read as words of two elements (``_load_groups``)
     Y_VEC: tl.constexpr,  # fp32 outputs per access (4)
 ):
     """What the compress kernel computes before its scale, written out for a pass that needs it first.
@@ -252,9 +313,7 @@ def _first_pass_kernel(
     pid = tl.program_id(0)
     row = tl.program_id(1).to(tl.int64)
     groups = pid * BLOCK_G + tl.arange(0, BLOCK_G)
-    offsets = _tile_offsets(groups, G, THREADS, X_VEC)
-    x = tl.load(x_ptr + row * x_row_stride + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
-    x = _to_rows(x, BLOCK_G, G)
+    x = _load_groups(x_ptr + row * x_row_stride, groups, numel, BLOCK_G, G, THREADS, X_VEC, X_WORDS)
     h, multiplier, _, amax, nonfinite = _transform_and_amax(
         x, eps, G, LOG2G, BLOCK_G, ASH, SCALE_MODE, FP8_MAX, INV_SQRT_G
     )
@@ -303,7 +362,9 @@ def _compress_kernel(
     HW_ROUNDING: tl.constexpr,  # True on a GPU: casts round to nearest even in hardware (else _round_to_grid)
     THREADS: tl.constexpr,  # threads per group (``_tile_offsets``)
     X_VEC: tl.constexpr,  # input elements per access (16 bytes)
+    X_WORDS: tl.constexpr,  # bf16 input read as words of two elements (``_load_groups``)
     CODE_VEC: tl.constexpr,  # codes per access (16 bytes; at most G)
+    CODE_WORDS: tl.constexpr,  # 4-bit codes stored as 32-bit words (output rows 4-byte aligned)
 ):
     """Row program_id(1) of x (``numel`` elements each) -> row program_id(1) of out (one message each)."""
     pid = tl.program_id(0)
@@ -317,8 +378,7 @@ def _compress_kernel(
 
     groups = pid * BLOCK_G + tl.arange(0, BLOCK_G)
     group_ok = groups < n_groups
-    x_offsets = _tile_offsets(groups, G, THREADS, X_VEC)
-    x = _to_rows(tl.load(x_ptr + x_offsets, mask=x_offsets < numel, other=0.0).to(tl.float32), BLOCK_G, G)
+    x = _load_groups(x_ptr, groups, numel, BLOCK_G, G, THREADS, X_VEC, X_WORDS)
     fp8_max = tl.full((BLOCK_G,), FP8_MAX, tl.float32)
 
     h, multiplier, s_a, amax, nonfinite = _transform_and_amax(
@@ -329,7 +389,8 @@ def _compress_kernel(
     # message scale S = (max over the row) / (M * 448) for "e4m3" (``reference._e4m3_scaled``).
     if SCALE_MODE == 3:
         row_amax = tl.load(row_amax_ptr + row)
-        message_scale = tl.where(row_amax > 0, tl.math.div_rn(row_amax, FP8_MAX * 448.0), 1.0)
+        floored_row = tl.maximum(row_amax, FP8_MAX * 448.0 * MESSAGE_SCALE_FLOOR)  # 1 / s_g stays finite
+        message_scale = tl.where(row_amax > 0, tl.math.div_rn(floored_row, FP8_MAX * 448.0), 1.0)
         ratio = tl.minimum(tl.math.div_rn(tl.math.div_rn(amax, fp8_max), message_scale), 448.0)
         if not HW_ROUNDING:
             ratio = _round_to_grid(ratio, 3, E4M3_MIN_NORMAL, E4M3_SUBNORMAL_SHIFTER)
@@ -349,20 +410,30 @@ def _compress_kernel(
     # one multiply per element by the group's m * inverse (rounded once per group; dual: y = h * m first, as m *
     # inverse can overflow there); NaN over a non-finite group, which a GPU's FP8 cast writes as NAN_BYTE
     if SCALE_MODE == 1:
-        q = (h * multiplier[:, None]) * tl.where(nonfinite, float("nan"), inverse)[:, None]
+        a = h * multiplier[:, None]
+        b = tl.where(nonfinite, float("nan"), inverse)
     else:
-        q = h * tl.where(nonfinite, float("nan"), multiplier * inverse)[:, None]
-
-    # No clamp where none can change a code: a GPU's FP8 cast saturates (satfinite) to the same +-M; E2M1 rounded to
-    # nearest takes min(|q|, M) below; INT4 rounded to nearest with a scale of at least amax / M (fp32, dual: s_q =
-    # max(amax, M 2^-126) / M; e8m0: its power-of-two ceiling) has |q| <= M (1 + 2^-22), which rounds to +-M.
-    E2M1_NEAREST: tl.constexpr = CODE_KIND == 2 and not STOCHASTIC
-    INT4_NEAREST_IN_RANGE: tl.constexpr = CODE_KIND == 3 and not STOCHASTIC and SCALE_MODE != 3
-    if (CODE_KIND >= 2 or not HW_ROUNDING) and not (E2M1_NEAREST or INT4_NEAREST_IN_RANGE):
-        q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
-    if CODE_KIND >= 2:  # 4 bits, two per byte; a non-finite group's NaN scale decodes it to NaN
+        a = h
+        b = tl.where(nonfinite, float("nan"), multiplier * inverse)
+    if CODE_KIND == 3 and not STOCHASTIC:
+        # INT4 to nearest: t = rint(a * b) + 1.5 * 2^23 + 8 (one fused multiply-add), bits 0x4B400008 + rint(q):
+        # 8 + the code's value in the low nibble. Clamped to +-M in t where the scale can round down (e4m3:
+        # rounding is monotonic and M an integer); with a scale of at least amax / M (fp32, dual: s_q = max(amax,
+        # M 2^-126) / M; e8m0: its power-of-two ceiling) |q| <= M (1 + 2^-22), which rounds to +-M.
+        t = _int4_biased(a, b[:, None], HW_ROUNDING)
+        if SCALE_MODE == 3:
+            t = tl.minimum(tl.maximum(t, INT4_BIAS - FP8_MAX), INT4_BIAS + FP8_MAX)
+        # the bits are 0x4B400000 + (n + 8): packed, the 0x4B400000 of every nibble sums to 0x3F400000 (mod 2^32),
+        # and n + 8 xor 8 is n's two's complement nibble
+        words = (_pack_nibble_words(t.to(tl.uint32, bitcast=True), BLOCK_G, G) - 0x3F400000) ^ 0x88888888
+    else:
+        q = a * b[:, None]
+        # No clamp where none can change a code: a GPU's FP8 cast saturates (satfinite) to the same +-M; E2M1
+        # rounded to nearest takes min(|q|, M) below.
+        if (CODE_KIND >= 2 or not HW_ROUNDING) and not (CODE_KIND == 2 and not STOCHASTIC):
+            q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
         if STOCHASTIC:
-            offsets = _to_rows(x_offsets, BLOCK_G, G)
+            offsets = _to_rows(_tile_offsets(groups, G, THREADS, X_VEC), BLOCK_G, G)
             index = (row * (n_groups * G) + offsets) & 0xFFFFFFFF  # element of this call, rows padded to groups
             magnitude = _stochastic_magnitude(tl.abs(q), _uniform_noise(index ^ seed), CODE_KIND == 3, FP8_MAX)
             r = tl.where(q < 0, -magnitude, magnitude)
@@ -370,20 +441,28 @@ def _compress_kernel(
                 nibbles = r.to(tl.int32) & 0xF
             else:
                 nibbles = _e2m1_codes(magnitude, r)
-        elif CODE_KIND == 3:  # q + 1.5 * 2^23 rounds q to an integer n (ties to even) and holds n in its low bits
-            nibbles = (q + 12582912.0).to(tl.int32, bitcast=True) & 0xF
-        else:  # |clamp(q, -M, M)| in one instruction, the sign from q
-            nibbles = _e2m1_codes(tl.minimum(tl.abs(q), FP8_MAX), q)
-        # byte i = element 2i | element 2i + 1 << 4, as a sum over the pair axis (no split: the layout stays)
-        nibble_shift = (tl.arange(0, 2) * 4)[None, None, :]
-        packed = tl.sum(tl.reshape(nibbles, (BLOCK_G, G // 2, 2)) << nibble_shift, axis=2)
-        packed_offsets = _tile_offsets(groups, G // 2, THREADS, CODE_VEC // 2)
-        packed = _to_tile(packed.to(tl.uint8), BLOCK_G, G // 2, THREADS, CODE_VEC // 2)
-        tl.store(out_ptr + 16 + packed_offsets, packed, mask=group_ok[None, :, None, None])
-        # a non-finite group's codes are zeros: the same thread stores them over its bytes (a store predicated per
+            words = _pack_nibble_words(nibbles.to(tl.uint32), BLOCK_G, G)
+        elif CODE_KIND == 2:  # |clamp(q, -M, M)| in one instruction, the sign from q
+            words = _pack_nibble_words(_e2m1_codes(tl.minimum(tl.abs(q), FP8_MAX), q).to(tl.uint32), BLOCK_G, G)
+    if CODE_KIND >= 2:  # 4 bits, two per byte; a non-finite group's NaN scale decodes it to NaN
+        # a non-finite group's codes are zeros: the same thread stores them over its words (a store predicated per
         # group, in program order), one instruction per thread where a select per byte cost 16
-        zeros = tl.zeros_like(packed)
-        tl.store(out_ptr + 16 + packed_offsets, zeros, mask=(group_ok & nonfinite)[None, :, None, None])
+        zeros = _to_tile(tl.zeros_like(words), BLOCK_G, G // 8, THREADS, CODE_VEC // 8)
+        words = _to_tile(words, BLOCK_G, G // 8, THREADS, CODE_VEC // 8)
+        if CODE_WORDS:  # rows 4-byte aligned: the words as they are
+            word_offsets = _tile_offsets(groups, G // 8, THREADS, CODE_VEC // 8)
+            word_ptr = (out_ptr + 16).to(tl.pointer_type(tl.uint32))
+            tl.store(word_ptr + word_offsets, words, mask=group_ok[None, :, None, None])
+            tl.store(word_ptr + word_offsets, zeros, mask=(group_ok & nonfinite)[None, :, None, None])
+        else:  # bytewise: the words' 4 bytes, little-endian
+            shape: tl.constexpr = (THREADS, BLOCK_G, G // (THREADS * CODE_VEC), CODE_VEC // 2)
+            halves = tl.join(words & 0xFFFF, words >> 16)
+            packed = tl.reshape(tl.join(halves & 0xFF, halves >> 8), shape).to(tl.uint8)
+            packed_offsets = _tile_offsets(groups, G // 2, THREADS, CODE_VEC // 2)
+            tl.store(out_ptr + 16 + packed_offsets, packed, mask=group_ok[None, :, None, None])
+            tl.store(
+                out_ptr + 16 + packed_offsets, tl.zeros_like(packed), mask=(group_ok & nonfinite)[None, :, None, None]
+            )
     else:
         if not HW_ROUNDING:
             q = _round_to_grid(q, MANTISSA_BITS, MIN_NORMAL, SUBNORMAL_SHIFTER)
@@ -437,6 +516,7 @@ def _decompress_sum_kernel(
     HW_ROUNDING: tl.constexpr,  # True on a GPU: the output cast rounds to nearest even in hardware
     THREADS: tl.constexpr,  # threads per group (``_tile_offsets``)
     CODE_VEC: tl.constexpr,  # codes per access (16 bytes; at most G)
+    CODE_WORDS: tl.constexpr,  # 4-bit codes read as 32-bit words (message rows 4-byte aligned)
 ):
     """out = sum over r of decode(bufs[r]) in fp32, in order r = 0, 1, ...
 
@@ -453,14 +533,23 @@ def _decompress_sum_kernel(
     tile_mask = group_ok[None, :, None, None]
     code_offsets = _tile_offsets(groups, G, THREADS, CODE_VEC)
     packed_offsets = _tile_offsets(groups, G // 2, THREADS, CODE_VEC // 2)
+    word_offsets = _tile_offsets(groups, G // 8, THREADS, CODE_VEC // 8)
     acc = tl.zeros((BLOCK_G, G), tl.float32)
     buf = bufs_ptr
     for _ in range(n_bufs):
         if CODE_KIND >= 2:
-            packed = tl.load(buf + 16 + packed_offsets, mask=tile_mask, other=0).to(tl.int32)
-            packed = _to_rows(packed, BLOCK_G, G // 2)
-            # elements 2i, 2i + 1 (a join: unpacking by a broadcast shift made INT4 sums of N >= 2 messages 10x slower)
-            nibbles = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_G, G))
+            # elements 2i, 2i + 1 of each byte by joins (unpacking by a broadcast shift made INT4 sums of N >= 2
+            # messages 10x slower); from words, 7 shifts per 8 codes, the bits above each code's own left in place
+            if CODE_WORDS:
+                words = tl.load((buf + 16).to(tl.pointer_type(tl.uint32)) + word_offsets, mask=tile_mask, other=0)
+                words = _to_rows(words, BLOCK_G, G // 8)
+                halves = tl.join(words, words >> 16)
+                packed = tl.reshape(tl.join(halves, halves >> 8), (BLOCK_G, G // 2))
+            else:
+                packed = _to_rows(
+                    tl.load(buf + 16 + packed_offsets, mask=tile_mask, other=0).to(tl.int32), BLOCK_G, G // 2
+                )
+            nibbles = tl.reshape(tl.join(packed, packed >> 4), (BLOCK_G, G))
             y = _four_bit_values(nibbles, CODE_KIND == 3)
         else:
             codes = _to_rows(tl.load(buf + 16 + code_offsets, mask=tile_mask, other=0), BLOCK_G, G)
@@ -592,6 +681,19 @@ def _decompress_constants(
     return dict(constants, **_grid_constants(*_OUTPUT_GRIDS[out_dtype], prefix="OUT_"))
 
 
+def _bf16_words(x: torch.Tensor) -> bool:
+    """Whether bf16 rows ``x`` [R, m] read as 32-bit words of two elements: 4-byte aligned, m and the row stride even."""
+    rows, numel = x.shape
+    return (
+        x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0 and numel % 2 == 0 and (rows <= 1 or x.stride(0) % 2 == 0)
+    )
+
+
+def _rows_word_aligned(out: torch.Tensor) -> bool:
+    """Whether byte rows ``out`` [R, n] all start 4-byte aligned."""
+    return out.data_ptr() % 4 == 0 and (out.shape[0] <= 1 or out.stride(0) % 4 == 0)
+
+
 def compress_rows(x: torch.Tensor, out: torch.Tensor, settings: CodecSettings, seed: int = 0) -> None:
     """Compress each row of ``x`` [R, m] (unit column stride) into the rows of ``out`` [R, nbytes]; ``seed``:
     this call's stochastic-rounding seed (unused with rounding="nearest")."""
@@ -601,6 +703,7 @@ def compress_rows(x: torch.Tensor, out: torch.Tensor, settings: CodecSettings, s
     x_bits = x.element_size() * 8
     constants = _compress_constants(settings, launch, x.is_cuda, x_bits)
     grid = (max(1, _cdiv(n_groups, constants["BLOCK_G"])), rows)
+    x_words = _bf16_words(x)
     row_amax = x  # a placeholder pointer: read only by scales="e4m3"
     if settings.scales == "e4m3":  # first pass: every group's max, then the row's
         group_amax = torch.empty(rows, n_groups, dtype=torch.float32, device=x.device)
@@ -612,6 +715,7 @@ def compress_rows(x: torch.Tensor, out: torch.Tensor, settings: CodecSettings, s
             n_groups,
             settings.eps,
             WRITE_Y=False,
+            X_WORDS=x_words,
             **_first_pass_constants(settings, launch, x.is_cuda, x_bits),
         )
         row_amax = group_amax.amax(dim=1)
@@ -627,6 +731,8 @@ def compress_rows(x: torch.Tensor, out: torch.Tensor, settings: CodecSettings, s
         settings.eps,
         seed,
         row_amax,
+        X_WORDS=x_words,
+        CODE_WORDS=_rows_word_aligned(out),
         **constants,
     )
 
@@ -638,7 +744,7 @@ def transform_rows(x: torch.Tensor, y: torch.Tensor, settings: CodecSettings) ->
     n_groups = settings.num_groups(numel)
     constants = _first_pass_constants(settings, LAUNCH_CONFIG["compress"], x.is_cuda, x.element_size() * 8)
     _first_pass_kernel[(max(1, _cdiv(n_groups, constants["BLOCK_G"])), rows)](
-        x, y, x.stride(0), numel, n_groups, settings.eps, WRITE_Y=True, **constants
+        x, y, x.stride(0), numel, n_groups, settings.eps, WRITE_Y=True, X_WORDS=_bf16_words(x), **constants
     )
 
 
@@ -663,5 +769,6 @@ def decompress_rows(bufs: torch.Tensor, out: torch.Tensor, settings: CodecSettin
         numel,
         n_groups,
         scales_offset,
+        CODE_WORDS=_rows_word_aligned(bufs),
         **constants,
     )

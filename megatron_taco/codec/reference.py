@@ -29,8 +29,9 @@ Per group of G values x (fp32), with M the element format's maximum (448 for E4M
         group the E4M3 byte b = e4m3(amax / M / S) and s = b * S; q = H(x) * (m * (1 / s)), clamped to M.
     transform="none": H is the identity and m = 1 (per-group FP8 without Hadamard).
     4-bit formats (M = 6 for FP4 E2M1, 7 for INT4): the same, with q rounded to the
-        E2M1 grid (ties to even) or to the integers (ties to even), coded in 4 bits and
-        packed two per byte (element 2i in the low nibble).
+        E2M1 grid (ties to even) or to the integers (ties to even; INT4 rounds the exact product H(x) * (m *
+        inverse) once, as the kernels' fused multiply-add does), coded in 4 bits and packed two per byte
+        (element 2i in the low nibble).
     rounding="stochastic" (4-bit): with the grid step d at |q| (INT4: 1; E2M1: 0.5, 1, 2 below 2, 4, 6),
         |q| -> d * floor(|q| / d + u), u uniform in [0, 1) from a hash of (message seed, element index)
         (:func:`uniform_noise`): rounds up with probability equal to the distance, so E[decode] = x.
@@ -56,7 +57,6 @@ __all__ = [
     "sqrt_rn",
     "inv_sqrt_group",
     "round_to_grid",
-    "round_to_integer",
     "hash32",
     "uniform_noise",
     "encode_groups",
@@ -72,6 +72,11 @@ ADAPTIVE_SCALE_MAX = 1e3
 # floor costs groups in [M * 2^-128, M * 2^-126) up to 2 bits of their codes' range. Exact: s_q = 2^-126 and
 # M / (M * 2^-126) = 2^126.
 SCALE_FLOOR_EXPONENT = -126
+# scales="e4m3": the message scale S's floor. The smallest non-zero group scale is then E4M3's smallest subnormal
+# 2^-9 times 2^-117 = 2^-126, so 1 / s_g <= 2^126 stays finite. Below, a message whose max |y| is under M * 448 *
+# 2^-117 (about 2e-32 for INT4) gave 1 / s_g = Inf and 0 * Inf = NaN codes for its zeros; the floor only costs such
+# messages part of their codes' range.
+MESSAGE_SCALE_FLOOR_EXPONENT = -117
 E8M0_MIN_EXP = -126
 E8M0_MAX_EXP = 126
 
@@ -136,10 +141,6 @@ def _pow2(exponent: torch.Tensor) -> torch.Tensor:
     return ((exponent + 127) << 23).to(torch.int32).view(torch.float32)
 
 
-# 1.5 * 2^23: adding and subtracting it rounds an fp32 |v| < 2^22 to an integer, ties to even
-_ROUND_TO_INTEGER = 12582912.0
-
-
 def round_to_grid(v: torch.Tensor, mantissa_bits: int, min_normal_exp: int) -> torch.Tensor:
     """Round finite fp32 ``v`` to the nearest value of a float format with ``mantissa_bits`` and smallest
     normal 2^min_normal_exp (ties to even), with integer arithmetic on the fp32 bits for normal values and the
@@ -155,12 +156,6 @@ def round_to_grid(v: torch.Tensor, mantissa_bits: int, min_normal_exp: int) -> t
     subnormal = ((absolute + shifter) - shifter).view(torch.int32)
     rounded = torch.where(absolute < 2.0**min_normal_exp, subnormal, normal)
     return (rounded | sign).view(torch.float32)
-
-
-def round_to_integer(v: torch.Tensor) -> torch.Tensor:
-    """Round fp32 ``v`` (|v| < 2^22) to an integer, ties to even (the kernels' same two additions)."""
-    shifter = _f32(_ROUND_TO_INTEGER, v)
-    return (v + shifter) - shifter
 
 
 _MASK32 = 0xFFFFFFFF
@@ -193,7 +188,8 @@ def _stochastic_magnitude(a: torch.Tensor, u: torch.Tensor, fmt: ElementFormat) 
 
 
 def _four_bit_codes(q: torch.Tensor, fmt: ElementFormat, noise: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """4-bit codes (int32 0..15) of q, |q| <= M: two's-complement INT4, or the E2M1 bit pattern s|ee|m.
+    """4-bit codes (int32 0..15) of q, |q| <= M: the E2M1 bit pattern s|ee|m, or with ``noise`` two's-complement
+    INT4 too (INT4 to nearest rounds the unrounded product: :func:`_int4_codes`).
 
     ``noise``: u in [0, 1) per element for stochastic rounding (None: nearest, ties to even)."""
     if noise is not None:
@@ -201,8 +197,6 @@ def _four_bit_codes(q: torch.Tensor, fmt: ElementFormat, noise: Optional[torch.T
         r = torch.where(q < 0, -magnitude, magnitude)
         if fmt.integer:
             return r.to(torch.int32) & 0xF
-    elif fmt.integer:
-        return round_to_integer(q).to(torch.int32) & 0xF
     else:
         r = round_to_grid(q, fmt.mantissa_bits, fmt.min_normal_exp)
     bits = r.view(torch.int32)
@@ -216,6 +210,14 @@ def _four_bit_codes(q: torch.Tensor, fmt: ElementFormat, noise: Optional[torch.T
         torch.where(magnitude == 0.5, torch.ones_like(bits), torch.zeros_like(bits)),
     )
     return code | (sign << 3)
+
+
+def _int4_codes(a: torch.Tensor, b: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
+    """INT4 codes (int32 0..15) of q = a * b rounded to nearest: the exact product rounded once to an integer (ties
+    to even; fp64 holds the product of two fp32 exactly), clamped to +-M. The kernels round it in one fused
+    multiply-add, where rounding q to fp32 first would round twice."""
+    n = torch.round(a.double() * b.double()).clamp(-fmt.max_value, fmt.max_value)
+    return torch.nan_to_num(n).to(torch.int32) & 0xF
 
 
 def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -285,13 +287,17 @@ def encode_groups(
         inverse = torch.where(amax > 0, div_rn(fp8_max, floored), torch.ones_like(amax))
         stored = torch.stack([s_q, s_a], dim=-1) if settings.scales == "dual" else s_q[:, None]
     if settings.scales == "dual":  # y first: m (up to 1e3 / sqrt(G)) times M / s_q can overflow fp32
-        q = (h * multiplier[:, None]) * inverse[:, None]
-    else:  # m = 1/sqrt(G) or 1: m * inverse <= 2^126 with fp32 and e8m0 scales (e4m3: as finite as 1 / s_g)
-        q = h * (multiplier * inverse)[:, None]
-    q = q.clamp(-fmt.max_value, fmt.max_value)
+        a, b = h * multiplier[:, None], inverse[:, None]
+    else:  # m = 1/sqrt(G) or 1: m * inverse <= 2^126 (fp32, e8m0 scales; e4m3: 1 / s_g <= 2^126 by S's floor)
+        a, b = h, (multiplier * inverse)[:, None]
     if fmt.bits == 4:  # a non-finite group's NaN scale decodes it to NaN; its codes are zeros
-        codes = torch.where(nonfinite[:, None], 0, _four_bit_codes(q, fmt, noise))
+        if fmt.integer and noise is None:
+            codes = _int4_codes(a, b, fmt)
+        else:
+            codes = _four_bit_codes((a * b).clamp(-fmt.max_value, fmt.max_value), fmt, noise)
+        codes = torch.where(nonfinite[:, None], 0, codes)
         return _pack_nibbles(codes), stored
+    q = (a * b).clamp(-fmt.max_value, fmt.max_value)
     codes = q.to(fmt.torch_dtype).view(torch.uint8)
     codes = torch.where(nonfinite[:, None], torch.full_like(codes, NAN_CODE), codes)
     return codes, stored
@@ -306,7 +312,8 @@ def _e4m3_scaled(amax: torch.Tensor, nonfinite: torch.Tensor, element_max: torch
 
     Returns (1 / s_g per group, the stored bytes: [group bytes..., S as 4 little-endian bytes])."""
     row_amax = amax.max()
-    message_scale = torch.where(row_amax > 0, div_rn(row_amax, element_max * E4M3_MAX), torch.ones_like(row_amax))
+    floored = torch.maximum(row_amax, element_max * E4M3_MAX * 2.0**MESSAGE_SCALE_FLOOR_EXPONENT)
+    message_scale = torch.where(row_amax > 0, div_rn(floored, element_max * E4M3_MAX), torch.ones_like(row_amax))
     ratio = div_rn(div_rn(amax, element_max), message_scale).clamp(max=E4M3_MAX)
     group_bytes = ratio.to(torch.float8_e4m3fn).view(torch.uint8)
     group_bytes = torch.where(nonfinite, torch.full_like(group_bytes, NAN_CODE), group_bytes)

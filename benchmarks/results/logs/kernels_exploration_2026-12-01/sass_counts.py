@@ -87,10 +87,14 @@ def main():
         st = TacoCodec(g, fmt, transform, scales, backend="torch").settings
         launch = shape or K.LAUNCH_CONFIG["compress"]
         consts = K._compress_constants(st, launch, True, *([16] if takes_dtype else []))
+        params = inspect.signature(K._compress_kernel.fn).parameters
+        consts.update({k: True for k in ("X_WORDS", "CODE_WORDS") if k in params})  # aligned rows (the benchmark's)
         kernel = compile_sm90(K._compress_kernel, COMPRESS_SIGNATURE, consts, 7)
         print(f"compress   {fmt} {transform} {scales} G={g}: {_summary(kernel, _per_thread(consts, launch))}")
         launch = shape or K.LAUNCH_CONFIG["decompress_sum"]
         consts = K._decompress_constants(st, launch, True, torch.bfloat16)
+        if "CODE_WORDS" in inspect.signature(K._decompress_sum_kernel.fn).parameters:
+            consts["CODE_WORDS"] = True
         kernel = compile_sm90(K._decompress_sum_kernel, DECOMPRESS_SIGNATURE, consts, 8)
         print(f"decompress {fmt} {transform} {scales} G={g}: {_summary(kernel, _per_thread(consts, launch))}")
 
