@@ -179,6 +179,27 @@ def test_int4_groups_far_below_the_row_max_saturate_instead_of_wrapping(transfor
     assert decoded_y[1, 0] > 0.5 * y[1, 0]  # saturated at +7 steps (wrapped: -6 steps, negative)
 
 
+@pytest.mark.parametrize("offset", [0, 1])
+@pytest.mark.parametrize("fmt,scales,group", [("int4", "e8m0", 32), ("e2m1", "e4m3", 16), ("int4", "fp32", 128)])
+def test_rows_at_any_alignment_match_the_reference(fmt, scales, group, offset):
+    """Rows are read and written as 32-bit words where they are 4-byte aligned, else element- and bytewise: messages
+    of 67 and 47 bytes (odd row strides; 220 aligned), and bf16 rows 4 bytes apart from 16-byte boundaries (offset
+    0: words, not 16-byte accesses) or starting 2 bytes past a word (offset 1: elements)."""
+    codec = TacoCodec(group, fmt, "ash", scales, backend="torch")
+    rows, numel = 3, 3 * group
+    base = _input("student_t3", rows * (numel + 2), seed=5).to(torch.bfloat16).to(DEVICE)
+    x = base.view(rows, numel + 2)[:, offset : offset + numel]  # offset 1: rows start 2 bytes past a word
+    expected = torch.stack([codec.compress(x[r].cpu()) for r in range(rows)])
+    got = torch.empty_like(expected, device=DEVICE)
+    kernels.compress_rows(x, got, codec.settings)
+    assert torch.equal(got.cpu(), expected)
+    out = torch.empty(rows, numel, device=DEVICE)
+    kernels.decompress_rows(got, out, codec.settings)
+    assert torch.equal(
+        out.cpu(), torch.stack([codec.decompress(expected[r], (numel,), torch.float32) for r in range(rows)])
+    )
+
+
 @pytest.mark.parametrize("settings", SETTINGS, ids=_ids)
 def test_decompress_equals_reference_decode(settings):
     ref = TacoCodec(**settings, backend="torch")
