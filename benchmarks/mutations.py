@@ -35,8 +35,8 @@ MUTATIONS = [  # (what, file, text, replaced by, tests, -k) or file None: SCALE_
     (
         "4-bit nibbles packed high/low swapped (kernel)",
         "megatron_taco/codec/kernels.py",
-        "nibble_shift = (tl.arange(0, 2) * 4)[None, None, :]",
-        "nibble_shift = ((1 - tl.arange(0, 2)) * 4)[None, None, :]",
+        "v = tl.reshape(lo + (hi << 4), (BLOCK_G, G // 4, 2))",
+        "v = tl.reshape(hi + (lo << 4), (BLOCK_G, G // 4, 2))",
         "tests/test_codec_4bit.py",
         "",
     ),
@@ -51,8 +51,8 @@ MUTATIONS = [  # (what, file, text, replaced by, tests, -k) or file None: SCALE_
     (
         "INT4 ties rounded half-up, not to even (reference)",
         "megatron_taco/codec/reference.py",
-        "    return (v + shifter) - shifter",
-        "    return torch.floor(v + 0.5)",
+        "n = torch.round(a.double() * b.double())",
+        "n = torch.floor(a.double() * b.double() + 0.5)",
         "tests/test_codec_4bit.py",
         "",
     ),
@@ -91,8 +91,8 @@ MUTATIONS = [  # (what, file, text, replaced by, tests, -k) or file None: SCALE_
     (
         "e4m3 message scale over M x 440 (kernel)",
         "megatron_taco/codec/kernels.py",
-        "FP8_MAX * 448.0",
-        "FP8_MAX * 440.0",
+        "tl.math.div_rn(floored_row, FP8_MAX * 448.0)",
+        "tl.math.div_rn(floored_row, FP8_MAX * 440.0)",
         "tests/test_codec_4bit.py",
         "",
     ),
