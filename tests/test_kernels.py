@@ -200,6 +200,23 @@ def test_rows_at_any_alignment_match_the_reference(fmt, scales, group, offset):
     )
 
 
+@pytest.mark.parametrize("n_messages", [1, 3])
+def test_the_sum_starts_from_the_first_message_bit_for_bit(n_messages):
+    """Decompress-sum starts from the first message's term, not from zeros (one addition per element less), in the
+    kernel and the reference alike: bitwise, so -0.0 (a zero input's code) stays -0.0 where 0 + -0.0 made +0.0."""
+    codec = TacoCodec(128, "e4m3", "none", backend="torch")
+    x = _input("gaussian", 256, seed=4)
+    x[:128] = -0.0
+    message = codec.compress(x)
+    bufs = message.repeat(n_messages, 1)
+    expected = torch.empty(1, 256)
+    codec.decompress_rows(bufs, expected)
+    got = torch.empty(1, 256, device=DEVICE)
+    kernels.decompress_rows(bufs.to(DEVICE), got, codec.settings)
+    assert torch.equal(got.cpu().view(torch.int32), expected.view(torch.int32))
+    assert (expected[0, :128].view(torch.int32) == torch.tensor(-0.0).view(torch.int32)).all()  # -0.0 + -0.0 = -0.0
+
+
 @pytest.mark.parametrize("settings", SETTINGS, ids=_ids)
 def test_decompress_equals_reference_decode(settings):
     ref = TacoCodec(**settings, backend="torch")

@@ -494,6 +494,71 @@ def _compress_kernel(
 
 
 @triton.jit
+def _message_term(
+    buf,
+    groups,
+    group_ok,
+    n_groups,
+    scales_offset,
+    G: tl.constexpr,
+    LOG2G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    ASH: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
+    CODE_KIND: tl.constexpr,
+    INV_SQRT_G: tl.constexpr,
+    THREADS: tl.constexpr,
+    CODE_VEC: tl.constexpr,
+    CODE_WORDS: tl.constexpr,
+):
+    """One message's term of the decompress-sum [BLOCK_G, G]: its codes times the group multipliers, q * (s /
+    sqrt(G)), or with dual scales its whole decode (``reference.decode_sum_groups``)."""
+    tile_mask = group_ok[None, :, None, None]
+    if CODE_KIND >= 2:
+        # elements 2i, 2i + 1 of each byte by joins (unpacking by a broadcast shift made INT4 sums of N >= 2
+        # messages 10x slower); from words, 7 shifts per 8 codes, the bits above each code's own left in place
+        if CODE_WORDS:
+            offsets = _tile_offsets(groups, G // 8, THREADS, CODE_VEC // 8)
+            words = tl.load((buf + 16).to(tl.pointer_type(tl.uint32)) + offsets, mask=tile_mask, other=0)
+            words = _to_rows(words, BLOCK_G, G // 8)
+            halves = tl.join(words, words >> 16)
+            packed = tl.reshape(tl.join(halves, halves >> 8), (BLOCK_G, G // 2))
+        else:
+            offsets = _tile_offsets(groups, G // 2, THREADS, CODE_VEC // 2)
+            packed = _to_rows(tl.load(buf + 16 + offsets, mask=tile_mask, other=0).to(tl.int32), BLOCK_G, G // 2)
+        nibbles = tl.reshape(tl.join(packed, packed >> 4), (BLOCK_G, G))
+        y = _four_bit_values(nibbles, CODE_KIND == 3)
+    else:
+        offsets = _tile_offsets(groups, G, THREADS, CODE_VEC)
+        codes = _to_rows(tl.load(buf + 16 + offsets, mask=tile_mask, other=0), BLOCK_G, G)
+        if CODE_KIND == 0:
+            y = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            y = codes.to(tl.float8e5, bitcast=True).to(tl.float32)
+    if SCALE_MODE == 3:
+        group_byte = tl.load(buf + scales_offset + groups, mask=group_ok, other=0)
+        message_bytes = tl.load(buf + scales_offset + n_groups + tl.arange(0, 4)).to(tl.uint32)
+        word = tl.sum(message_bytes << (tl.arange(0, 4) * 8), axis=0)
+        scale = group_byte.to(tl.float8e4nv, bitcast=True).to(tl.float32) * word.to(tl.float32, bitcast=True)
+        scale = tl.where((group_byte & 0x7F) == 0x7F, float("nan"), scale)  # E4M3's NaN (the interpreter: 448)
+    elif SCALE_MODE == 2:
+        exponent = tl.load(buf + scales_offset + groups, mask=group_ok, other=127).to(tl.int32)
+        scale = (tl.minimum(tl.maximum(exponent, 1), 254) << 23).to(tl.float32, bitcast=True)
+        scale = tl.where(exponent == 255, float("nan"), scale)
+    else:
+        scale_ptr = (buf + scales_offset).to(tl.pointer_type(tl.float32))
+        stride: tl.constexpr = 2 if SCALE_MODE == 1 else 1
+        scale = tl.load(scale_ptr + stride * groups, mask=group_ok, other=1.0)
+    if ASH:  # 1 / sqrt(G) folded into the group's multiplier (``reference._decode_multiplier``)
+        scale = scale * INV_SQRT_G
+    y = y * scale[:, None]
+    if SCALE_MODE == 1:  # dual: each message is transformed and divided by its own s_a
+        s_a = tl.load(scale_ptr + 2 * groups + 1, mask=group_ok, other=1.0)
+        return tl.math.div_rn(_fwht(y, BLOCK_G, G, LOG2G), s_a[:, None])
+    return y  # one scale per group: the sum of q * s is transformed once, after the last message
+
+
+@triton.jit
 def _decompress_sum_kernel(
     bufs_ptr,
     out_ptr,
@@ -530,56 +595,18 @@ def _decompress_sum_kernel(
     out_ptr += row * out_row_stride
     groups = pid * BLOCK_G + tl.arange(0, BLOCK_G)
     group_ok = groups < n_groups
-    tile_mask = group_ok[None, :, None, None]
-    code_offsets = _tile_offsets(groups, G, THREADS, CODE_VEC)
-    packed_offsets = _tile_offsets(groups, G // 2, THREADS, CODE_VEC // 2)
-    word_offsets = _tile_offsets(groups, G // 8, THREADS, CODE_VEC // 8)
-    acc = tl.zeros((BLOCK_G, G), tl.float32)
+    # the first message's term starts the sum (nothing to add it to: one addition per element less than from zero)
+    acc = _message_term(
+        bufs_ptr, groups, group_ok, n_groups, scales_offset,
+        G, LOG2G, BLOCK_G, ASH, SCALE_MODE, CODE_KIND, INV_SQRT_G, THREADS, CODE_VEC, CODE_WORDS,
+    )  # fmt: skip
     buf = bufs_ptr
-    for _ in range(n_bufs):
-        if CODE_KIND >= 2:
-            # elements 2i, 2i + 1 of each byte by joins (unpacking by a broadcast shift made INT4 sums of N >= 2
-            # messages 10x slower); from words, 7 shifts per 8 codes, the bits above each code's own left in place
-            if CODE_WORDS:
-                words = tl.load((buf + 16).to(tl.pointer_type(tl.uint32)) + word_offsets, mask=tile_mask, other=0)
-                words = _to_rows(words, BLOCK_G, G // 8)
-                halves = tl.join(words, words >> 16)
-                packed = tl.reshape(tl.join(halves, halves >> 8), (BLOCK_G, G // 2))
-            else:
-                packed = _to_rows(
-                    tl.load(buf + 16 + packed_offsets, mask=tile_mask, other=0).to(tl.int32), BLOCK_G, G // 2
-                )
-            nibbles = tl.reshape(tl.join(packed, packed >> 4), (BLOCK_G, G))
-            y = _four_bit_values(nibbles, CODE_KIND == 3)
-        else:
-            codes = _to_rows(tl.load(buf + 16 + code_offsets, mask=tile_mask, other=0), BLOCK_G, G)
-            if CODE_KIND == 0:
-                y = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-            else:
-                y = codes.to(tl.float8e5, bitcast=True).to(tl.float32)
-        if SCALE_MODE == 3:
-            group_byte = tl.load(buf + scales_offset + groups, mask=group_ok, other=0)
-            message_bytes = tl.load(buf + scales_offset + n_groups + tl.arange(0, 4)).to(tl.uint32)
-            word = tl.sum(message_bytes << (tl.arange(0, 4) * 8), axis=0)
-            scale = group_byte.to(tl.float8e4nv, bitcast=True).to(tl.float32) * word.to(tl.float32, bitcast=True)
-            scale = tl.where((group_byte & 0x7F) == 0x7F, float("nan"), scale)  # E4M3's NaN (the interpreter: 448)
-        elif SCALE_MODE == 2:
-            exponent = tl.load(buf + scales_offset + groups, mask=group_ok, other=127).to(tl.int32)
-            scale = (tl.minimum(tl.maximum(exponent, 1), 254) << 23).to(tl.float32, bitcast=True)
-            scale = tl.where(exponent == 255, float("nan"), scale)
-        else:
-            scale_ptr = (buf + scales_offset).to(tl.pointer_type(tl.float32))
-            stride: tl.constexpr = 2 if SCALE_MODE == 1 else 1
-            scale = tl.load(scale_ptr + stride * groups, mask=group_ok, other=1.0)
-        if ASH:  # 1 / sqrt(G) folded into the group's multiplier (``reference._decode_multiplier``)
-            scale = scale * INV_SQRT_G
-        y = y * scale[:, None]
-        if SCALE_MODE == 1:  # dual: each message is transformed and divided by its own s_a
-            s_a = tl.load(scale_ptr + 2 * groups + 1, mask=group_ok, other=1.0)
-            acc += tl.math.div_rn(_fwht(y, BLOCK_G, G, LOG2G), s_a[:, None])
-        else:  # one scale per group: sum q * s first, transform once after the loop
-            acc += y
+    for _ in range(1, n_bufs):
         buf += buf_stride  # pointer arithmetic is 64-bit: no overflow past 2 GiB
+        acc += _message_term(
+            buf, groups, group_ok, n_groups, scales_offset,
+            G, LOG2G, BLOCK_G, ASH, SCALE_MODE, CODE_KIND, INV_SQRT_G, THREADS, CODE_VEC, CODE_WORDS,
+        )  # fmt: skip
     if ASH and SCALE_MODE != 1:
         acc = _fwht(acc, BLOCK_G, G, LOG2G)
     if OUT_MANTISSA_BITS < 23 and not HW_ROUNDING:  # bf16/fp16 output: the interpreter truncates
@@ -755,6 +782,9 @@ def decompress_rows(bufs: torch.Tensor, out: torch.Tensor, settings: CodecSettin
     """
     rows, numel = out.shape
     if numel == 0 or rows == 0:
+        return
+    if bufs.shape[0] == 0:  # a sum of no messages
+        out.zero_()
         return
     if bufs.shape[0] % rows:
         raise ValueError(f"{bufs.shape[0]} messages do not split evenly over {rows} output rows")

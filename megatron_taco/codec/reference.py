@@ -365,13 +365,14 @@ def decode_sum_groups(
     divides each message by its own s_a after its transform, so it sums decodes.
     """
     if settings.scales == "dual":
-        total = torch.zeros(codes[0].shape[0], settings.group_size, dtype=torch.float32, device=codes[0].device)
-        for c, s in zip(codes, scales):
-            total = total + decode_groups(c, s, settings)
-        return total
-    acc = torch.zeros(codes[0].shape[0], settings.group_size, dtype=torch.float32, device=codes[0].device)
-    for c, s in zip(codes, scales):
-        acc = acc + code_values(c, settings.format) * _decode_multiplier(s, settings)[:, None]
-    if settings.transform == "none":
+        terms = [decode_groups(c, s, settings) for c, s in zip(codes, scales)]
+    else:
+        terms = [
+            code_values(c, settings.format) * _decode_multiplier(s, settings)[:, None] for c, s in zip(codes, scales)
+        ]
+    acc = terms[0]  # the first term starts the sum, not a zero (the kernels' order: -0.0 stays -0.0)
+    for term in terms[1:]:
+        acc = acc + term
+    if settings.transform == "none" or settings.scales == "dual":
         return acc
     return fwht(acc)
