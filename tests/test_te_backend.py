@@ -54,17 +54,18 @@ def test_a_te_encoded_header_decodes_everywhere_and_an_unknown_encoder_is_refuse
     not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
     reason="Triton kernels need a GPU or TRITON_INTERPRET=1",
 )
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bf16 rows are read as words
 @pytest.mark.parametrize("transform", ["ash", "none"])
-def test_the_transform_pass_writes_what_te_quantizes(transform):
+def test_the_transform_pass_writes_what_te_quantizes(transform, dtype):
     """kernels.transform_rows: y = H(x) / sqrt(G) (or x), zero-padded to whole groups, NaN over non-finite groups."""
     settings = CodecSettings(fmt="e4m3", transform=transform)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    x = torch.randn(3, 300, generator=torch.Generator().manual_seed(3)) * 10
+    x = (torch.randn(3, 300, generator=torch.Generator().manual_seed(3)) * 10).to(dtype)
     x[1, 5], x[2, 260] = float("nan"), float("inf")
     y = torch.empty(3, 3 * 128, device=device)
     kernels.transform_rows(x.to(device), y, settings)
     padded = torch.zeros(3, 3, 128)
-    padded.view(3, -1)[:, :300] = x
+    padded.view(3, -1)[:, :300] = x.float()
     expected = reference.fwht(padded) * reference.inv_sqrt_group(128) if transform == "ash" else padded.clone()
     expected[1, 0], expected[2, 2] = float("nan"), float("nan")
     assert torch.equal(y.cpu().view(3, 3, 128).nan_to_num(7.0), expected.nan_to_num(7.0))
