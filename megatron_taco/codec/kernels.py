@@ -101,7 +101,12 @@ def _load_groups(
         x = tl.reshape(tl.join(even, odd), (THREADS, BLOCK_G, G // (THREADS * X_VEC), X_VEC))
     else:
         offsets = _tile_offsets(groups, G, THREADS, X_VEC)
-        x = tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
+        if x_ptr.dtype.element_ty == tl.bfloat16:  # as bits, the same widening (the interpreter's cast of bf16
+            # subnormals is inexact, and would make its bytes depend on the rows' alignment)
+            bits = tl.load(x_ptr.to(tl.pointer_type(tl.uint16)) + offsets, mask=offsets < numel, other=0)
+            x = (bits.to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+        else:
+            x = tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
     return _to_rows(x, BLOCK_G, G)
 
 
@@ -444,16 +449,15 @@ def _compress_kernel(
             words = _pack_nibble_words(nibbles.to(tl.uint32), BLOCK_G, G)
         elif CODE_KIND == 2:  # |clamp(q, -M, M)| in one instruction, the sign from q
             words = _pack_nibble_words(_e2m1_codes(tl.minimum(tl.abs(q), FP8_MAX), q).to(tl.uint32), BLOCK_G, G)
-    if CODE_KIND >= 2:  # 4 bits, two per byte; a non-finite group's NaN scale decodes it to NaN
-        # a non-finite group's codes are zeros: the same thread stores them over its words (a store predicated per
+    if CODE_KIND >= 2:  # words of 8 codes; a non-finite group's NaN scale decodes it to NaN
+        # a non-finite group's codes are zeros: the same thread stores them over its own (a store predicated per
         # group, in program order), one instruction per thread where a select per byte cost 16
-        zeros = _to_tile(tl.zeros_like(words), BLOCK_G, G // 8, THREADS, CODE_VEC // 8)
         words = _to_tile(words, BLOCK_G, G // 8, THREADS, CODE_VEC // 8)
         if CODE_WORDS:  # rows 4-byte aligned: the words as they are
             word_offsets = _tile_offsets(groups, G // 8, THREADS, CODE_VEC // 8)
             word_ptr = (out_ptr + 16).to(tl.pointer_type(tl.uint32))
             tl.store(word_ptr + word_offsets, words, mask=group_ok[None, :, None, None])
-            tl.store(word_ptr + word_offsets, zeros, mask=(group_ok & nonfinite)[None, :, None, None])
+            tl.store(word_ptr + word_offsets, tl.zeros_like(words), mask=(group_ok & nonfinite)[None, :, None, None])
         else:  # bytewise: the words' 4 bytes, little-endian
             shape: tl.constexpr = (THREADS, BLOCK_G, G // (THREADS * CODE_VEC), CODE_VEC // 2)
             halves = tl.join(words & 0xFFFF, words >> 16)
@@ -615,7 +619,12 @@ def _decompress_sum_kernel(
     # write neighbouring 16 bytes. Stored from the registers (E contiguous elements per thread, each 16 bytes a
     # separate store: 88ae99a) plain FP8 decompress ran at 0.45 of copy bandwidth on the H200, 0.96 before.
     out_offsets = groups.to(tl.int64)[:, None] * G + tl.arange(0, G)[None, :]
-    tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=out_offsets < numel)
+    if out_ptr.dtype.element_ty == tl.bfloat16 and not HW_ROUNDING:  # the top half of the rounded fp32, as bits:
+        # the interpreter's cast stores bf16 subnormals inexactly (2^-128 as 0)
+        bits = (acc.to(tl.uint32, bitcast=True) >> 16).to(tl.uint16)
+        tl.store(out_ptr.to(tl.pointer_type(tl.uint16)) + out_offsets, bits, mask=out_offsets < numel)
+    else:
+        tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=out_offsets < numel)
 
 
 def _grid_constants(mantissa_bits: int, min_normal_exp: int, prefix: str = "") -> dict:
@@ -783,9 +792,8 @@ def decompress_rows(bufs: torch.Tensor, out: torch.Tensor, settings: CodecSettin
     rows, numel = out.shape
     if numel == 0 or rows == 0:
         return
-    if bufs.shape[0] == 0:  # a sum of no messages
-        out.zero_()
-        return
+    if bufs.shape[0] == 0:
+        raise ValueError("decompress_rows got no messages to decode")
     if bufs.shape[0] % rows:
         raise ValueError(f"{bufs.shape[0]} messages do not split evenly over {rows} output rows")
     n_groups, _, scales_offset = settings.layout(numel)

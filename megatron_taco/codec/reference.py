@@ -192,6 +192,8 @@ def _four_bit_codes(q: torch.Tensor, fmt: ElementFormat, noise: Optional[torch.T
     INT4 too (INT4 to nearest rounds the unrounded product: :func:`_int4_codes`).
 
     ``noise``: u in [0, 1) per element for stochastic rounding (None: nearest, ties to even)."""
+    if fmt.integer and noise is None:
+        raise ValueError("INT4 to nearest rounds the unrounded product: _int4_codes")
     if noise is not None:
         magnitude = _stochastic_magnitude(q.abs(), noise, fmt)
         r = torch.where(q < 0, -magnitude, magnitude)

@@ -228,9 +228,9 @@ class TacoCodec:  # a WireCodec (megatron_taco.codec.interface)
         """
         _check_output_dtype(out.dtype)
         rows, numel = out.shape
-        if bufs.dim() != 2 or bufs.dtype != torch.uint8 or rows == 0 or bufs.shape[0] % rows:
+        if bufs.dim() != 2 or bufs.dtype != torch.uint8 or rows == 0 or bufs.shape[0] == 0 or bufs.shape[0] % rows:
             raise ValueError(
-                f"decompress_rows takes uint8 messages [N, nbytes] with N a multiple of the {rows} output rows, "
+                f"decompress_rows takes uint8 messages [N, nbytes] with N >= 1 a multiple of the {rows} output rows, "
                 f"got {bufs.dtype} of shape {tuple(bufs.shape)}"
             )
         if out.shape[1] > 1 and out.stride(1) != 1:
