@@ -127,6 +127,15 @@ def _pack_nibble_words(values, BLOCK_G: tl.constexpr, G: tl.constexpr):
 
 
 @triton.jit
+def _word_bytes(words):
+    """words [..., n] -> [..., n, 2, 2]: each word's 4 bytes in little-endian order, by joins (in each thread's
+    registers), each in the low 8 bits of its value with the word's higher bits left above it (a cast to uint8, or
+    a caller that reads only the low bits, drops them)."""
+    halves = tl.join(words, words >> 16)
+    return tl.join(halves, halves >> 8)
+
+
+@triton.jit
 def _pairwise_sum(v, BLOCK_G: tl.constexpr, G: tl.constexpr, LOG2G: tl.constexpr):
     """[BLOCK_G, G] -> [BLOCK_G]: v[2i] + v[2i+1], repeated log2(G) times."""
     for stage in tl.static_range(LOG2G):
@@ -460,8 +469,7 @@ def _compress_kernel(
             tl.store(word_ptr + word_offsets, tl.zeros_like(words), mask=(group_ok & nonfinite)[None, :, None, None])
         else:  # bytewise: the words' 4 bytes, little-endian
             shape: tl.constexpr = (THREADS, BLOCK_G, G // (THREADS * CODE_VEC), CODE_VEC // 2)
-            halves = tl.join(words & 0xFFFF, words >> 16)
-            packed = tl.reshape(tl.join(halves & 0xFF, halves >> 8), shape).to(tl.uint8)
+            packed = tl.reshape(_word_bytes(words), shape).to(tl.uint8)
             packed_offsets = _tile_offsets(groups, G // 2, THREADS, CODE_VEC // 2)
             tl.store(out_ptr + 16 + packed_offsets, packed, mask=group_ok[None, :, None, None])
             tl.store(
@@ -524,9 +532,7 @@ def _message_term(
         if CODE_WORDS:
             offsets = _tile_offsets(groups, G // 8, THREADS, CODE_VEC // 8)
             words = tl.load((buf + 16).to(tl.pointer_type(tl.uint32)) + offsets, mask=tile_mask, other=0)
-            words = _to_rows(words, BLOCK_G, G // 8)
-            halves = tl.join(words, words >> 16)
-            packed = tl.reshape(tl.join(halves, halves >> 8), (BLOCK_G, G // 2))
+            packed = tl.reshape(_word_bytes(_to_rows(words, BLOCK_G, G // 8)), (BLOCK_G, G // 2))
         else:
             offsets = _tile_offsets(groups, G // 2, THREADS, CODE_VEC // 2)
             packed = _to_rows(tl.load(buf + 16 + offsets, mask=tile_mask, other=0).to(tl.int32), BLOCK_G, G // 2)
