@@ -158,9 +158,12 @@ def test_two_ranks_with_different_backends_exchange_correct_messages(monkeypatch
     backend = "nccl" if torch.cuda.device_count() >= 2 else "gloo"
     results = run_distributed(_mixed_backends_worker, 2, ["te", "triton"], backend=backend, timeout=300)
     for result in results:
-        # TE's scales differ from Triton's by at most one ulp, so a few values on a rounding boundary get the
-        # neighbouring FP8 code: measured on 2 x H200 (5b3dece) 6.5e-6 / 7.9e-6 / 1.4e-4 relative to the all-Triton
-        # run (the all-reduce compresses twice), against the codec's own error of ~2.6e-2; bounds ~1.3x those
-        assert result["all-gather"] < 8.5e-6 and result["reduce-scatter"] < 1.05e-5, result
-        assert result["all-reduce"] < 1.8e-4, result
+        # TE's scales differ from Triton's by at most one ulp, and with the Hadamard TE rounds in another order
+        # (test_te_messages_match_triton_messages), so a few values get the neighbouring FP8 code. Relative to the
+        # all-Triton run (the all-reduce compresses twice), against the codec's own error of ~2.6e-2: 6.5e-6 / 7.9e-6
+        # / 1.4e-4 on 2 x H200 at 5b3dece; on one H200 over gloo at cf26e74, after 2a7090e folded 1/sqrt(G) into the
+        # group multipliers (a handful of one-step codes), 5.4e-5 / 6.2e-6 (rank 0), 8.2e-5 (rank 1) / 1.6e-4;
+        # bounds ~1.3x the largest
+        assert result["all-gather"] < 7e-5 and result["reduce-scatter"] < 1.1e-4, result
+        assert result["all-reduce"] < 2.1e-4, result
         assert result["all-reduce identical on every rank"], result
