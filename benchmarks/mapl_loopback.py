@@ -22,7 +22,8 @@ stays in span(U) and the boundary drops nothing; the layers before it work in an
 beside the anchors), ``+fp8`` / ``+int4`` (the same bytes per token spent on a wider z: rank 2d / R in FP8 or
 4d / R in INT4, z and dL/dz through TACO's codec, Hadamard and one power-of-two scale per group of up to 128;
 the scale bytes make the real ratio a little lower, and the report names it; ``+fp8`` is ``--mapl-wire fp8``),
-``+anchorsK`` (anchor rank K), ``+ulrF`` (U's manifold learning rate F, ``--mapl-lr``).
+``+anchorsK`` (anchor rank K), ``+ulrF`` (U's manifold learning rate F, ``--mapl-lr``), ``+uadamF`` (U trained by
+Riemannian Adam at learning rate F, ``mapl.stiefel.StiefelAdam``, instead of momentum SGD: a lead of the MAPL issue).
 Results are resumable (``--json``); the report gives each variant's mean validation
 loss and the paired 95% interval of its difference to the first variant over the seeds.
 
@@ -51,7 +52,7 @@ from megatron_taco.config.mapl import MaplConfig
 from megatron_taco.mapl.anchor_init import start_anchors_from_embedding
 from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stage import step_projections_with
-from megatron_taco.mapl.stiefel import StiefelMomentumSGD
+from megatron_taco.mapl.stiefel import StiefelAdam, StiefelMomentumSGD
 from megatron_taco.mapl.wire import compression_ratio, wire_codec
 from megatron_taco.testing.distributed import run_distributed
 from megatron_taco.training.data import cache_stdlib_text, stdlib_text_batches
@@ -129,13 +130,14 @@ class Variant:
     ``wire``: "bf16" (z as the pipeline dtype), or "fp8" / "int4": z and its gradient through TACO's codec at
     the rank that keeps the bytes per token of ratio R (r = 2d / R for FP8, 4d / R for INT4; the scale bytes
     make the real ratio a little lower: ``wire_ratio``). ``anchor_rank``: the anchors' k; ``u_lr``: U's manifold
-    learning rate (``--mapl-lr``); None: the defaults."""
+    learning rate (``--mapl-lr``); ``u_adam_lr``: U by Riemannian Adam at this learning rate; None: the defaults."""
 
     mode: str
     ratio: float = 1.0
     wire: str = "bf16"
     anchor_rank: Optional[int] = None
     u_lr: Optional[float] = None
+    u_adam_lr: Optional[float] = None
 
     def rank(self, hidden_size: int) -> int:
         return int(hidden_size * 16 / WIRE_BITS.get(self.wire, 16) / self.ratio)
@@ -158,7 +160,7 @@ class Variant:
 
 def _parse(variant: str) -> Variant:
     """'none', 'tables' (option '+anchorsK'), 'Rx' or 'Rx' with options '+subspace', '+fp8' / '+int4', '+anchorsK',
-    '+ulrF' (U's learning rate F)."""
+    '+ulrF' (U's learning rate F), '+uadamF' (U by Riemannian Adam at learning rate F)."""
     if variant == "none":
         return Variant(variant)
     ratio, *extras = variant.split("+")
@@ -176,12 +178,14 @@ def _parse(variant: str) -> Variant:
             fields["anchor_rank"] = int(extra[7:])
         elif extra.startswith("ulr") and _positive_float(extra[3:]):
             fields["u_lr"] = float(extra[3:])
+        elif extra.startswith("uadam") and _positive_float(extra[5:]) and "u_lr" not in fields:
+            fields["u_adam_lr"] = float(extra[5:])
         else:
             ratio = ""
     if not ratio.endswith("x") or len(extras) != len(set(extras)):
         raise ValueError(
             f"variant {variant!r}: expected none, tables (option +anchorsK), or Rx with options +subspace, +fp8 or "
-            "+int4, +anchorsK, +ulrF"
+            "+int4, +anchorsK, +ulrF or +uadamF"
         )
     return Variant(ratio=float(ratio[:-1]), **fields)
 
@@ -272,8 +276,12 @@ def _loopback_trainer(cfg, variant: Variant):
         loop.build_gpt_model = build
     codec = state["boundary"].codec if state else None
     if codec is not None and variant.mode != "tables":  # U clipped and stepped with the optimizer, as in PP=2
-        manifold = StiefelMomentumSGD(
-            [codec.projection], lr=defaults.lr, momentum=defaults.momentum, buffers=[codec.projection_momentum]
+        manifold = (
+            StiefelAdam([codec.projection], lr=variant.u_adam_lr)
+            if variant.u_adam_lr
+            else StiefelMomentumSGD(
+                [codec.projection], lr=defaults.lr, momentum=defaults.momentum, buffers=[codec.projection_momentum]
+            )
         )
         step_projections_with(trainer.optimizer, manifold, [codec], cfg.lr)
     return trainer, codec
@@ -453,7 +461,8 @@ def main(argv: Optional[List[str]] = None) -> None:
             parsed = _parse(variant)
         except ValueError as exc:
             parser.error(f"--variants: {exc}")
-        if args.pipeline_parallel == 2 and (parsed.mode not in ("none", "compress") or parsed.wire == "int4"):
+        loopback_only = parsed.mode not in ("none", "compress") or parsed.wire == "int4" or parsed.u_adam_lr
+        if args.pipeline_parallel == 2 and loopback_only:
             parser.error(
                 f"--variants: {variant!r} is a loopback variant; at --pipeline-parallel 2 use none or Rx, with "
                 "+fp8 (--mapl-wire fp8), +anchorsK or +ulrF"

@@ -9,6 +9,7 @@ from megatron_taco.config.mapl import MaplConfig, MaplConfigError, add_mapl_args
 from megatron_taco.mapl.wire import fp8_wire_codec
 from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stiefel import (
+    StiefelAdam,
     StiefelMomentumSGD,
     orthogonality_error,
     random_stiefel,
@@ -22,30 +23,59 @@ from megatron_taco.training.data import synthetic_batches
 from megatron_taco.training.loop import TrainConfig, Trainer
 
 
-def test_orthogonality_holds_after_1000_manifold_steps():
+OPTIMIZERS = {
+    "momentum": lambda u, lr: StiefelMomentumSGD([u], lr=lr, momentum=0.9),
+    "adam": lambda u, lr: StiefelAdam([u], lr=lr),
+}
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_orthogonality_holds_after_1000_manifold_steps(optimizer):
     gen = torch.Generator().manual_seed(0)
     u = random_stiefel(64, 16, gen)
-    opt = StiefelMomentumSGD([u], lr=0.05, momentum=0.9)
+    opt = OPTIMIZERS[optimizer](u, 0.05)
     for _ in range(1000):
         opt.step([torch.randn(64, 16, generator=gen) * 10])
         assert orthogonality_error(u) <= 1e-5
     assert orthogonality_error(u) <= 1e-5
 
 
-def test_manifold_descent_finds_the_top_eigenspace():
+@pytest.mark.parametrize("optimizer, lr", [("momentum", 0.01), ("adam", 0.01)])
+def test_manifold_descent_finds_the_top_eigenspace(optimizer, lr):
     """Maximise trace(U^T A U): the optimum is the span of A's top-r eigenvectors."""
     gen = torch.Generator().manual_seed(1)
     q, _ = torch.linalg.qr(torch.randn(32, 32, generator=gen, dtype=torch.float64))
     eigenvalues = torch.linspace(10, 0.1, 32, dtype=torch.float64)
     a = (q * eigenvalues) @ q.T
     u = random_stiefel(32, 4, gen)
-    opt = StiefelMomentumSGD([u], lr=0.01, momentum=0.5)
+    opt = StiefelMomentumSGD([u], lr=lr, momentum=0.5) if optimizer == "momentum" else StiefelAdam([u], lr=lr)
     for _ in range(500):
         opt.step([-(2 * a @ u.double()).float()])  # gradient of -trace(U^T A U)
     achieved = float(torch.trace(u.double().T @ a @ u.double()))
     assert achieved >= 0.999 * float(eigenvalues[:4].sum()), achieved
     riemannian = tangent_project(u.double(), -(2 * a @ u.double()))
     assert float(riemannian.norm()) < 1e-2
+
+
+def test_riemannian_adam_steps_do_not_depend_on_the_gradients_scale():
+    """Adam's step is the gradient over its RMS: gradients 1e-4 and 1e4 times larger take the same path (within
+    fp32 rounding), where momentum SGD's step would scale with them; the first step's RMS per entry is lr."""
+    gen = torch.Generator().manual_seed(2)
+    start = random_stiefel(48, 8, gen)
+    grads = [torch.randn(48, 8, generator=gen) for _ in range(20)]
+    paths = []
+    for scale in (1e-4, 1.0, 1e4):
+        u = start.clone()
+        opt = StiefelAdam([u], lr=1e-3)
+        opt.step([grads[0] * scale])
+        first_step = float((u - start).pow(2).mean().sqrt())
+        assert 0.9e-3 <= first_step <= 1.1e-3, (scale, first_step)
+        for g in grads[1:]:
+            opt.step([g * scale])
+        paths.append(u)
+    assert float((paths[0] - start).abs().max()) > 1e-3  # it moved
+    for u in paths[1:]:
+        torch.testing.assert_close(u, paths[0], atol=1e-5, rtol=0)
 
 
 def _train(mapl, steps, tp=1, pp=2, sp=False, count_p2p=False):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from benchmarks.loss_compare import MODELS
-from benchmarks.mapl_loopback import _parse, _WireRoundTrip, subspace_distance, train_config, train_loopback
+from benchmarks.mapl_loopback import _parse, _WireRoundTrip, main, subspace_distance, train_config, train_loopback
 from megatron_taco.mapl.stiefel import random_stiefel
 from megatron_taco.testing.distributed import run_distributed
 
@@ -65,10 +65,23 @@ def test_variants_name_their_rank_and_real_ratio_and_bad_names_fail():
             _parse(bad)
     fast_u = _parse("8x+fp8+ulr0.03")
     assert (fast_u.mapl_config(512).lr, fp8.mapl_config(512).lr) == (0.03, 0.01)  # 0.01: --mapl-lr's default
+    adam_u = _parse("8x+fp8+uadam0.001")
+    assert (adam_u.u_adam_lr, adam_u.u_lr, fp8.u_adam_lr) == (0.001, None, None)
     for bad in ("tables+ulr0.03",):
         with pytest.raises(ValueError, match="tables takes only"):
             _parse(bad)
-    for bad in ("8x+fp16", "8x+fp8+fp8", "8x+fp8+int4", "8", "8x+anchors", "tables+anchors", "8x+ulr0", "8x+ulrx"):
+    for bad in (
+        "8x+fp16",
+        "8x+fp8+fp8",
+        "8x+fp8+int4",
+        "8",
+        "8x+anchors",
+        "tables+anchors",
+        "8x+ulr0",
+        "8x+ulrx",
+        "8x+uadam0",
+        "8x+ulr0.1+uadam0.001",
+    ):
         with pytest.raises(ValueError, match=r"expected none, tables \(option \+anchorsK\), or Rx"):
             _parse(bad)
 
@@ -115,6 +128,27 @@ def test_u_learning_rate_of_a_variant_reaches_the_manifold_step():
     # the steps are clipped hard here (clip 0.05): 7.3e-5 observed
     assert abs(runs["8x"]["valid"] - runs["8x+ulr5"]["valid"]) > 1e-5, runs
     assert 0 < runs["8x"]["u_moved"] < runs["8x+ulr5"]["u_moved"] < 1, runs  # and U moved further
+
+
+def test_riemannian_adam_of_a_variant_trains_u():
+    """``+uadamF``: U is stepped by Riemannian Adam, whose steps do not shrink with the gradient: U moves further
+    than with momentum SGD at --mapl-lr's default, and the run trains to another loss."""
+    runs = {
+        v: run_distributed(train_loopback, 1, _config(), v, STEPS, DATA_SEED, EVAL_ITERS, timeout=600)[0]
+        for v in ("8x", "8x+uadam0.01")
+    }
+    assert runs["8x"]["train"][0] == runs["8x+uadam0.01"]["train"][0]
+    assert abs(runs["8x"]["valid"] - runs["8x+uadam0.01"]["valid"]) > 1e-5, runs
+    assert 0 < runs["8x"]["u_moved"] < runs["8x+uadam0.01"]["u_moved"] < 1, runs
+
+
+@pytest.mark.parametrize("variant", ["8x+uadam0.001", "tables", "8x+int4"])
+def test_loopback_only_variants_are_refused_at_pp2_in_one_line(variant, tmp_path, capsys):
+    """PP=2 runs step U with MaplSync's momentum SGD and send bf16 or FP8: the loopback's other variants stop at
+    parse time, naming the variant."""
+    with pytest.raises(SystemExit):
+        main(["--variants", variant, "--pipeline-parallel", "2", "--json", str(tmp_path / "r.json")])
+    assert f"--variants: {variant!r} is a loopback variant" in capsys.readouterr().err
 
 
 def test_subspace_distance_is_the_rms_sine_of_the_principal_angles():

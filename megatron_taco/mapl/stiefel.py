@@ -10,6 +10,13 @@ Riemannian steepest descent with momentum (embedded metric):
 float64: orthogonality holds to ~1e-7 in fp32 after any number of steps. Every
 step is deterministic, so replicas that see the same gradient stay
 bit-identical.
+
+Riemannian Adam (Becigneul & Ganea, ICLR 2019, one manifold factor per point): the same tangent first moment,
+and one scalar second moment per point, the mean square of the Riemannian gradient, so the step is invariant
+under U -> U Q (rotations inside the subspace) and its RMS per entry is about lr whatever the gradient's scale:
+
+    m = beta1 * m + (1 - beta1) * xi,   v = beta2 * v + (1 - beta2) * mean(xi^2)
+    U <- qf(U - lr * m_hat / (sqrt(v_hat) + eps)),   then m -= U sym(U^T m)   (transport to the new point)
 """
 
 from __future__ import annotations
@@ -18,7 +25,14 @@ from typing import List, Optional
 
 import torch
 
-__all__ = ["tangent_project", "retract_qr", "random_stiefel", "orthogonality_error", "StiefelMomentumSGD"]
+__all__ = [
+    "tangent_project",
+    "retract_qr",
+    "random_stiefel",
+    "orthogonality_error",
+    "StiefelMomentumSGD",
+    "StiefelAdam",
+]
 
 
 def sym(a: torch.Tensor) -> torch.Tensor:
@@ -89,3 +103,34 @@ class StiefelMomentumSGD:
 
     def load_state_dict(self, state: dict) -> None:
         self.lr, self.momentum = state["lr"], state["momentum"]
+
+
+class StiefelAdam:
+    """Riemannian Adam for a list of Stiefel points (updated in place, no weight decay): the module docstring's
+    update. Its moments live here (a study's optimizer: not in checkpoints)."""
+
+    def __init__(self, points: List[torch.Tensor], lr: float, betas=(0.9, 0.999), eps: float = 1e-8) -> None:
+        if lr <= 0:
+            raise ValueError(f"manifold learning rate must be > 0, got {lr}")
+        if not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"Adam betas must be in [0, 1), got {betas}")
+        self.points, self.lr, self.betas, self.eps = points, lr, betas, eps
+        self.first = [torch.zeros_like(p, requires_grad=False) for p in points]
+        self.second = [torch.zeros((), dtype=p.dtype, device=p.device) for p in points]
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self, grads: List[torch.Tensor], lr_scale: float = 1.0) -> None:
+        """One update of every point; the step length is ``lr * lr_scale`` (a learning-rate schedule's factor)."""
+        self.steps += 1
+        beta1, beta2 = self.betas
+        lr = self.lr * lr_scale
+        for u, g, m, v in zip(self.points, grads, self.first, self.second):
+            xi = tangent_project(u, g.to(u.dtype))
+            m.mul_(beta1).add_(xi, alpha=1 - beta1)
+            v.mul_(beta2).add_((xi * xi).mean(), alpha=1 - beta2)
+            if lr:
+                m_hat = m / (1 - beta1**self.steps)
+                v_hat = v / (1 - beta2**self.steps)
+                u.copy_(retract_qr(u - lr * m_hat / (v_hat.sqrt() + self.eps)))
+            m.copy_(tangent_project(u, m))
