@@ -12,8 +12,9 @@ step is deterministic, so replicas that see the same gradient stay
 bit-identical.
 
 Riemannian Adam (Becigneul & Ganea, ICLR 2019, one manifold factor per point): the same tangent first moment,
-and one scalar second moment per point, the mean square of the Riemannian gradient, so the step is invariant
-under U -> U Q (rotations inside the subspace) and its RMS per entry is about lr whatever the gradient's scale:
+and one scalar second moment per point, the mean square of the Riemannian gradient (a scalar does not depend on
+the basis chosen for U's span, where a per-entry one would), so the step's RMS per entry is about lr whatever the
+gradient's scale:
 
     m = beta1 * m + (1 - beta1) * xi,   v = beta2 * v + (1 - beta2) * mean(xi^2)
     U <- qf(U - lr * m_hat / (sqrt(v_hat) + eps)),   then m -= U sym(U^T m)   (transport to the new point)
