@@ -57,7 +57,7 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/kernels.md")
     parser.add_argument("--sizes-mib", default="8,32,64,128,256,512")
     parser.add_argument("--compare-sizes-mib", default="64,256", help="sizes where the torch reference runs too")
-    parser.add_argument("--fmt", default="e4m3", help="element format: e4m3, e5m2, e2m1 (FP4), int4")
+    parser.add_argument("--fmt", default="e4m3", help="element format: e4m3, e5m2, int8, e2m1 (FP4), int4")
     parser.add_argument("--transform", default="ash", help="ash or none")
     parser.add_argument("--scales", default="fp32", help="fp32, dual or e8m0")
     parser.add_argument("--group-size", type=int, default=128)

@@ -236,8 +236,8 @@ MUTATIONS = [  # (what, file, text, replaced by, tests, -k) or file None: SCALE_
     (
         "E5M2 in place of E4M3 (--taco-fp8-format ignored)",
         "megatron_taco/config/taco.py",
-        'return _FOUR_BIT_FORMATS.get(mode.split("-")[0], self.fmt)',
-        'return _FOUR_BIT_FORMATS.get(mode.split("-")[0], "e5m2")',
+        'return _MODE_FORMATS.get(mode.split("-")[0], self.fmt)',
+        'return _MODE_FORMATS.get(mode.split("-")[0], "e5m2")',
         "tests/test_taco_megatron.py",
         "every_linear",
     ),

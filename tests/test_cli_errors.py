@@ -50,7 +50,7 @@ def _startup_error(argv, world_size=2) -> str:
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag (see --help)"),
         (
             ["--taco-mode", "bogus"],
-            "--taco-mode: invalid value 'bogus'; choose from none, fp8, fp8-ash, fp4, fp4-ash, int4, int4-ash",
+            "--taco-mode: invalid value 'bogus'; choose from none, fp8, fp8-ash, int8, int8-ash, fp4, fp4-ash, int4, int4-ash",
         ),
         (["--data", "no/such/folder"], "--data no/such/folder: no such file or directory"),
         (["--taco-layers", "2-99"], "--taco-layers: layer range 2-99 exceeds the model's 4 layers"),
@@ -60,7 +60,7 @@ def _startup_error(argv, world_size=2) -> str:
         (
             ["--taco-switch", "5:mode=fp8", "--taco-scales", "e4m3", "--taco-mode", "int4"],
             "--taco-scales e4m3 (E4M3 group scales times a message scale, NVFP4's layout) is for the 4-bit modes, not "
-            "--taco-mode fp8; use fp32, dual or e8m0 with FP8 (in --taco-switch '5:mode=fp8')",
+            "--taco-mode fp8; use fp32, dual or e8m0 with 8-bit codes (in --taco-switch '5:mode=fp8')",
         ),
         (
             ["--taco-switch", "10:mode=none", "--train-iters", "10"],

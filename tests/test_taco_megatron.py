@@ -345,8 +345,13 @@ ASH_E4M3 = CodecSettings(group_size=128, fmt="e4m3", transform="ash", scales="fp
                 CodecSettings(32, "int4", "ash", "e8m0", rounding="stochastic"),
             ),
         ),
+        # INT8 with the Hadamard forward, without it backward
+        (
+            ["--taco-mode", "int8-ash", "--taco-bwd-mode", "int8"],
+            _expected(range(1, 5), LINEARS, CodecSettings(128, "int8", "ash"), CodecSettings(128, "int8", "none")),
+        ),
     ],
-    ids=["fp8-ash-defaults", "every-flag", "four-bit-forward-fp8-backward", "int4-stochastic-gradients"],
+    ids=["fp8-ash-defaults", "every-flag", "four-bit-forward-fp8-backward", "int4-stochastic-gradients", "int8"],
 )
 def test_every_linear_gets_exactly_the_codec_the_flags_ask_for(argv, expected):
     """From the trainer's flags to each linear's codec (transform, FP8 format, group size, scales,

@@ -3,7 +3,7 @@
 The compressed collectives (:mod:`megatron_taco.comm`), the settings handshake, the telemetry and the TACO
 linears depend on this Protocol, not on a class: a wire format is a module under ``codec/`` (its settings,
 its torch reference, its kernels) whose codec has these methods. :class:`~megatron_taco.codec.taco.TacoCodec`
-is the one for TACO's formats (FP8 E4M3/E5M2, FP4 E2M1, INT4, with or without the Hadamard transform).
+is the one for TACO's formats (FP8 E4M3/E5M2, INT8, FP4 E2M1, INT4, with or without the Hadamard transform).
 """
 
 from __future__ import annotations

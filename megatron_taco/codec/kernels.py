@@ -14,7 +14,8 @@ reference (:mod:`megatron_taco.codec.reference`), so they write the same bytes:
   (``HW_ROUNDING``); Triton's CPU interpreter rounds fp32 -> fp8 wrongly (it loses the carry across a
   binade and truncates subnormals), so there the value is first rounded to the target grid in fp32
   (``_round_to_grid``) and then converts exactly; FP4 E2M1 codes come from |q| rounded in
-  integer and fp32 arithmetic (``_e2m1_codes``), ties to the even code.
+  integer and fp32 arithmetic (``_e2m1_codes``), ties to the even code; INT8 / INT4 codes from the exact
+  product rounded once to an integer (``_integer_biased``).
 
 One program handles BLOCK_G consecutive groups of G elements: a [BLOCK_G, G]
 tile, loaded once and written once (a single pass over the input). Each thread holds E contiguous elements
@@ -48,7 +49,7 @@ SCALE_FLOOR = tl.constexpr(2.0**reference.SCALE_FLOOR_EXPONENT)  # s_q >= this w
 MESSAGE_SCALE_FLOOR = tl.constexpr(2.0**reference.MESSAGE_SCALE_FLOOR_EXPONENT)  # S >= this with e4m3 scales
 # 1.5 * 2^23 + 8: fp32 values in [2^23, 2^24) are the integers, so adding it to |q| < 2^22 rounds q to an integer n
 # (ties to even: the constant is even) and leaves the bits 0x4B400008 + n
-INT4_BIAS = tl.constexpr(12582920.0)
+INTEGER_BIAS = tl.constexpr(12582920.0)
 # GPU launch shape, per kernel: (warps, elements per thread E; at least one access, at most G). Chosen from the sweep
 # in benchmarks/kernels.py (see benchmarks/results/kernels.md).
 LAUNCH_CONFIG = {"compress": (2, 32), "decompress_sum": (2, 32)}
@@ -209,14 +210,14 @@ def _e2m1_codes(a, signed):
 
 
 @triton.jit
-def _int4_biased(a, b, HW_ROUNDING: tl.constexpr):
-    """rint(a * b) + INT4_BIAS in fp32: the exact product rounded once to an integer (ties to even), in one fused
-    multiply-add (``reference._int4_codes``). The interpreter's fma may round twice, so there in fp64, where the
+def _integer_biased(a, b, HW_ROUNDING: tl.constexpr):
+    """rint(a * b) + INTEGER_BIAS in fp32: the exact product rounded once to an integer (ties to even), in one fused
+    multiply-add (``reference._integer_codes``). The interpreter's fma may round twice, so there in fp64, where the
     product of two fp32 is exact and adding 1.5 * 2^52 rounds it to an integer."""
     if HW_ROUNDING:
-        return tl.fma(a, b, INT4_BIAS)
+        return tl.fma(a, b, INTEGER_BIAS)
     product = a.to(tl.float64) * b.to(tl.float64)
-    return ((product + 6755399441055744.0) - 6755399441055744.0).to(tl.float32) + INT4_BIAS
+    return ((product + 6755399441055744.0) - 6755399441055744.0).to(tl.float32) + INTEGER_BIAS
 
 
 @triton.jit
@@ -363,9 +364,9 @@ def _compress_kernel(
     BLOCK_G: tl.constexpr,
     ASH: tl.constexpr,
     SCALE_MODE: tl.constexpr,
-    CODE_KIND: tl.constexpr,  # 0: FP8 E4M3, 1: FP8 E5M2, 2: FP4 E2M1, 3: INT4
+    CODE_KIND: tl.constexpr,  # 0: FP8 E4M3, 1: FP8 E5M2, 2: FP4 E2M1, 3: INT4, 4: INT8
     STOCHASTIC: tl.constexpr,  # 4-bit codes: round up with probability equal to the distance (else nearest)
-    FP8_MAX: tl.constexpr,  # the element format's largest value M (448, 57344, 6, 7)
+    FP8_MAX: tl.constexpr,  # the element format's largest value M (448, 57344, 6, 7, 127)
     MANTISSA_BITS: tl.constexpr,
     MIN_NORMAL: tl.constexpr,
     SUBNORMAL_SHIFTER: tl.constexpr,
@@ -429,14 +430,21 @@ def _compress_kernel(
     else:
         a = h
         b = tl.where(nonfinite, float("nan"), multiplier * inverse)
-    if CODE_KIND == 3 and not STOCHASTIC:
+    if CODE_KIND == 4:
+        # INT8 to nearest, as INT4 below: the bits 0x4B400008 + rint(q), |rint(q)| <= M = 127 (no clamp: the
+        # scale is at least amax / M); minus 8, the low byte is rint(q)'s two's complement. A non-finite group's
+        # codes are zeros (its NaN scale decodes it to NaN).
+        t = _integer_biased(a, b[:, None], HW_ROUNDING)
+        codes = ((t.to(tl.uint32, bitcast=True) - 8) & 0xFF).to(tl.uint8)
+        codes = tl.where(nonfinite[:, None], 0, codes)
+    elif CODE_KIND == 3 and not STOCHASTIC:
         # INT4 to nearest: t = rint(a * b) + 1.5 * 2^23 + 8 (one fused multiply-add), bits 0x4B400008 + rint(q):
         # 8 + the code's value in the low nibble. Clamped to +-M in t where the scale can round down (e4m3:
         # rounding is monotonic and M an integer); with a scale of at least amax / M (fp32, dual: s_q = max(amax,
         # M 2^-126) / M; e8m0: its power-of-two ceiling) |q| <= M (1 + 2^-22), which rounds to +-M.
-        t = _int4_biased(a, b[:, None], HW_ROUNDING)
+        t = _integer_biased(a, b[:, None], HW_ROUNDING)
         if SCALE_MODE == 3:
-            t = tl.minimum(tl.maximum(t, INT4_BIAS - FP8_MAX), INT4_BIAS + FP8_MAX)
+            t = tl.minimum(tl.maximum(t, INTEGER_BIAS - FP8_MAX), INTEGER_BIAS + FP8_MAX)
         # the bits are 0x4B400000 + (n + 8): packed, the 0x4B400000 of every nibble sums to 0x3F400000 (mod 2^32),
         # and n + 8 xor 8 is n's two's complement nibble
         words = (_pack_nibble_words(t.to(tl.uint32, bitcast=True), BLOCK_G, G) - 0x3F400000) ^ 0x88888888
@@ -458,7 +466,7 @@ def _compress_kernel(
             words = _pack_nibble_words(nibbles.to(tl.uint32), BLOCK_G, G)
         elif CODE_KIND == 2:  # |clamp(q, -M, M)| in one instruction, the sign from q
             words = _pack_nibble_words(_e2m1_codes(tl.minimum(tl.abs(q), FP8_MAX), q).to(tl.uint32), BLOCK_G, G)
-    if CODE_KIND >= 2:  # words of 8 codes; a non-finite group's NaN scale decodes it to NaN
+    if CODE_KIND == 2 or CODE_KIND == 3:  # words of 8 codes; a non-finite group's NaN scale decodes it to NaN
         # a non-finite group's codes are zeros: the same thread stores them over its own (a store predicated per
         # group, in program order), one instruction per thread where a select per byte cost 16
         words = _to_tile(words, BLOCK_G, G // 8, THREADS, CODE_VEC // 8)
@@ -475,15 +483,16 @@ def _compress_kernel(
             tl.store(
                 out_ptr + 16 + packed_offsets, tl.zeros_like(packed), mask=(group_ok & nonfinite)[None, :, None, None]
             )
-    else:
-        if not HW_ROUNDING:
-            q = _round_to_grid(q, MANTISSA_BITS, MIN_NORMAL, SUBNORMAL_SHIFTER)
-        if CODE_KIND == 0:
-            codes = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
-        else:
-            codes = q.to(tl.float8e5).to(tl.uint8, bitcast=True)
-        if not HW_ROUNDING:  # the interpreter's cast of NaN may keep its sign
-            codes = tl.where(nonfinite[:, None], NAN_BYTE, codes)
+    else:  # one byte per code
+        if CODE_KIND != 4:
+            if not HW_ROUNDING:
+                q = _round_to_grid(q, MANTISSA_BITS, MIN_NORMAL, SUBNORMAL_SHIFTER)
+            if CODE_KIND == 0:
+                codes = q.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+            else:
+                codes = q.to(tl.float8e5).to(tl.uint8, bitcast=True)
+            if not HW_ROUNDING:  # the interpreter's cast of NaN may keep its sign
+                codes = tl.where(nonfinite[:, None], NAN_BYTE, codes)
         codes = _to_tile(codes, BLOCK_G, G, THREADS, CODE_VEC)
         tl.store(out_ptr + 16 + _tile_offsets(groups, G, THREADS, CODE_VEC), codes, mask=group_ok[None, :, None, None])
 
@@ -526,7 +535,7 @@ def _message_term(
     """One message's term of the decompress-sum [BLOCK_G, G]: its codes times the group multipliers, q * (s /
     sqrt(G)), or with dual scales its whole decode (``reference.decode_sum_groups``)."""
     tile_mask = group_ok[None, :, None, None]
-    if CODE_KIND >= 2:
+    if CODE_KIND == 2 or CODE_KIND == 3:
         # elements 2i, 2i + 1 of each byte by joins (unpacking by a broadcast shift made INT4 sums of N >= 2
         # messages 10x slower); from words, 7 shifts per 8 codes, the bits above each code's own left in place
         if CODE_WORDS:
@@ -543,8 +552,10 @@ def _message_term(
         codes = _to_rows(tl.load(buf + 16 + offsets, mask=tile_mask, other=0), BLOCK_G, G)
         if CODE_KIND == 0:
             y = codes.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:
+        elif CODE_KIND == 1:
             y = codes.to(tl.float8e5, bitcast=True).to(tl.float32)
+        else:  # INT8: the byte sign-extended
+            y = codes.to(tl.int8, bitcast=True).to(tl.float32)
     if SCALE_MODE == 3:
         group_byte = tl.load(buf + scales_offset + groups, mask=group_ok, other=0)
         message_bytes = tl.load(buf + scales_offset + n_groups + tl.arange(0, 4)).to(tl.uint32)
@@ -583,7 +594,7 @@ def _decompress_sum_kernel(
     BLOCK_G: tl.constexpr,
     ASH: tl.constexpr,
     SCALE_MODE: tl.constexpr,
-    CODE_KIND: tl.constexpr,  # 0: FP8 E4M3, 1: FP8 E5M2, 2: FP4 E2M1, 3: INT4
+    CODE_KIND: tl.constexpr,  # 0: FP8 E4M3, 1: FP8 E5M2, 2: FP4 E2M1, 3: INT4, 4: INT8
     INV_SQRT_G: tl.constexpr,
     OUT_MANTISSA_BITS: tl.constexpr,
     OUT_MIN_NORMAL: tl.constexpr,
@@ -691,7 +702,7 @@ def _compress_constants(settings: CodecSettings, launch: Tuple[int, int], on_gpu
         _common(settings, launch, on_gpu, accesses),
         X_VEC=accesses[0],
         CODE_VEC=accesses[1],
-        CODE_KIND=fmt.code_id,  # 0: E4M3, 1: E5M2, 2: E2M1, 3: INT4 (the wire's format id)
+        CODE_KIND=fmt.code_id,  # 0: E4M3, 1: E5M2, 2: E2M1, 3: INT4, 4: INT8 (the wire's format id)
         STOCHASTIC=settings.rounding == "stochastic",
         HW_ROUNDING=on_gpu,
         NAN_BYTE=NAN_CODE,

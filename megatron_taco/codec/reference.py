@@ -8,7 +8,8 @@ which after log2(G) stages is the Sylvester-ordered H_G), divisions and
 square roots are IEEE-rounded (computed in float64, rounded once to fp32) and
 nothing feeds a multiply into an add.
 
-Per group of G values x (fp32), with M the element format's maximum (448 for E4M3, 6 for E2M1, 7 for INT4):
+Per group of G values x (fp32), with M the element format's maximum (448 for E4M3, 127 for INT8, 6 for E2M1, 7 for
+INT4):
 
     ASH, scales="dual" (the paper's form):
         s_a = clamp(M / sqrt(sum(x^2)/G + eps), 1e-3, 1e3)    adaptive scale
@@ -28,6 +29,8 @@ Per group of G values x (fp32), with M the element format's maximum (448 for E4M
     scales="e4m3" (4-bit formats, NVFP4's layout): S = max|y| of the message / (M * 448) in fp32, then per
         group the E4M3 byte b = e4m3(amax / M / S) and s = b * S; q = H(x) * (m * (1 / s)), clamped to M.
     transform="none": H is the identity and m = 1 (per-group FP8 without Hadamard).
+    INT8 (M = 127): q rounded to the integers (ties to even), the exact product H(x) * (m * inverse) rounded once,
+        as the kernels' fused multiply-add does; one two's-complement byte per element.
     4-bit formats (M = 6 for FP4 E2M1, 7 for INT4): the same, with q rounded to the
         E2M1 grid (ties to even) or to the integers (ties to even; INT4 rounds the exact product H(x) * (m *
         inverse) once, as the kernels' fused multiply-add does), coded in 4 bits and packed two per byte
@@ -189,11 +192,11 @@ def _stochastic_magnitude(a: torch.Tensor, u: torch.Tensor, fmt: ElementFormat) 
 
 def _four_bit_codes(q: torch.Tensor, fmt: ElementFormat, noise: Optional[torch.Tensor] = None) -> torch.Tensor:
     """4-bit codes (int32 0..15) of q, |q| <= M: the E2M1 bit pattern s|ee|m, or with ``noise`` two's-complement
-    INT4 too (INT4 to nearest rounds the unrounded product: :func:`_int4_codes`).
+    INT4 too (INT4 to nearest rounds the unrounded product: :func:`_integer_codes`).
 
     ``noise``: u in [0, 1) per element for stochastic rounding (None: nearest, ties to even)."""
     if fmt.integer and noise is None:
-        raise ValueError("INT4 to nearest rounds the unrounded product: _int4_codes")
+        raise ValueError("INT4 to nearest rounds the unrounded product: _integer_codes")
     if noise is not None:
         magnitude = _stochastic_magnitude(q.abs(), noise, fmt)
         r = torch.where(q < 0, -magnitude, magnitude)
@@ -214,12 +217,13 @@ def _four_bit_codes(q: torch.Tensor, fmt: ElementFormat, noise: Optional[torch.T
     return code | (sign << 3)
 
 
-def _int4_codes(a: torch.Tensor, b: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
-    """INT4 codes (int32 0..15) of q = a * b rounded to nearest: the exact product rounded once to an integer (ties
-    to even; fp64 holds the product of two fp32 exactly), clamped to +-M. The kernels round it in one fused
-    multiply-add, where rounding q to fp32 first would round twice."""
+def _integer_codes(a: torch.Tensor, b: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
+    """INT4 / INT8 codes (int32 0..15 / 0..255: two's complement in the format's bits) of q = a * b rounded to
+    nearest: the exact product rounded once to an integer (ties to even; fp64 holds the product of two fp32
+    exactly), clamped to +-M. The kernels round it in one fused multiply-add, where rounding q to fp32 first would
+    round twice."""
     n = torch.round(a.double() * b.double()).clamp(-fmt.max_value, fmt.max_value)
-    return torch.nan_to_num(n).to(torch.int32) & 0xF
+    return torch.nan_to_num(n).to(torch.int32) & ((1 << fmt.bits) - 1)
 
 
 def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
@@ -228,9 +232,9 @@ def _pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
 
 
 def code_values(codes: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
-    """The fp32 values [n, G] of a message's codes: [n, G] FP8 bytes, or [n, G / 2] packed 4-bit codes."""
+    """The fp32 values [n, G] of a message's codes: [n, G] FP8 or INT8 bytes, or [n, G / 2] packed 4-bit codes."""
     if fmt.bits == 8:
-        return codes.view(fmt.torch_dtype).float()
+        return codes.view(torch.int8 if fmt.integer else fmt.torch_dtype).float()
     nibbles = torch.stack([codes & 0xF, codes >> 4], dim=-1).reshape(codes.shape[0], -1).to(torch.int32)
     if fmt.integer:
         return ((nibbles ^ 8) - 8).float()
@@ -294,11 +298,14 @@ def encode_groups(
         a, b = h, (multiplier * inverse)[:, None]
     if fmt.bits == 4:  # a non-finite group's NaN scale decodes it to NaN; its codes are zeros
         if fmt.integer and noise is None:
-            codes = _int4_codes(a, b, fmt)
+            codes = _integer_codes(a, b, fmt)
         else:
             codes = _four_bit_codes((a * b).clamp(-fmt.max_value, fmt.max_value), fmt, noise)
         codes = torch.where(nonfinite[:, None], 0, codes)
         return _pack_nibbles(codes), stored
+    if fmt.integer:  # INT8: a non-finite group's NaN scale decodes it to NaN; its codes are zeros
+        codes = torch.where(nonfinite[:, None], 0, _integer_codes(a, b, fmt))
+        return codes.to(torch.uint8), stored
     q = (a * b).clamp(-fmt.max_value, fmt.max_value)
     codes = q.to(fmt.torch_dtype).view(torch.uint8)
     codes = torch.where(nonfinite[:, None], torch.full_like(codes, NAN_CODE), codes)

@@ -53,11 +53,12 @@ def _check_output_dtype(dtype: torch.dtype) -> None:
 
 
 class TacoCodec:  # a WireCodec (megatron_taco.codec.interface)
-    """Compress float tensors to one FP8 or 4-bit wire message and back.
+    """Compress float tensors to one FP8, INT8 or 4-bit wire message and back.
 
     Args:
         group_size: G in {16, 32, 64, 128, 256}: elements sharing one scale and one Hadamard.
-        fmt: "e4m3" (max 448, default) or "e5m2" (max 57344); 4-bit: "e2m1" (FP4, max 6) or "int4" (-7..7).
+        fmt: "e4m3" (max 448, default), "e5m2" (max 57344) or "int8" (-127..127); 4-bit: "e2m1" (FP4, max 6) or
+            "int4" (-7..7).
         transform: "ash" (adaptive scale + Hadamard) or "none" (per-group quantization only).
         scales: "fp32" (one folded scale per group, default), "dual" (the paper's
             s_q and s_a, 8 bytes per group), "e8m0" (one power-of-two byte) or, for the 4-bit formats, "e4m3"

@@ -45,7 +45,7 @@ def te_unavailable_reason() -> Optional[str]:
 
 def check_te_settings(settings: CodecSettings) -> None:
     """Raise ValueError naming what TE's block quantizer does not cover."""
-    if settings.format.bits != 8 or settings.group_size != TE_GROUP_SIZE or settings.scales != "fp32":
+    if settings.fmt not in ("e4m3", "e5m2") or settings.group_size != TE_GROUP_SIZE or settings.scales != "fp32":
         raise ValueError(
             f"backend 'te' (Transformer Engine's 1 x 128 block quantizer) covers FP8 e4m3/e5m2 with group size "
             f"{TE_GROUP_SIZE} and fp32 scales, transform ash or none; not {settings.describe()}: use backend triton"

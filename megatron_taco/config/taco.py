@@ -11,7 +11,7 @@ import dataclasses
 import re
 from typing import Dict, FrozenSet, Optional, Sequence, Tuple
 
-from megatron_taco.codec.format import FP8_FORMATS, GROUP_SIZES, SCALE_MODES
+from megatron_taco.codec.format import ELEMENT_FORMATS, FP8_FORMATS, GROUP_SIZES, SCALE_MODES
 from megatron_taco.codec.taco import BACKENDS
 from megatron_taco.codec.te_cast import TE_GROUP_SIZE, te_unavailable_reason
 from megatron_taco.config.errors import TacoConfigError
@@ -29,8 +29,8 @@ __all__ = [
 ]
 
 # mode = element family, and "-ash" for the Adaptive Scale-Hadamard transform before quantizing
-MODES = ("none", "fp8", "fp8-ash", "fp4", "fp4-ash", "int4", "int4-ash")
-_FOUR_BIT_FORMATS = {"fp4": "e2m1", "int4": "int4"}  # the element format of the 4-bit families
+MODES = ("none", "fp8", "fp8-ash", "int8", "int8-ash", "fp4", "fp4-ash", "int4", "int4-ash")
+_MODE_FORMATS = {"int8": "int8", "fp4": "e2m1", "int4": "int4"}  # the element format of the non-FP8 families
 LINEARS = ("qkv", "proj", "fc1", "fc2")
 DIRECTIONS = ("fwd", "bwd", "both")
 # the codec's own vocabulary (one definition): backends, scale storage, FP8 formats, group sizes
@@ -68,9 +68,9 @@ class LinearSettings:
         return "ash" if self.mode_for(direction).endswith("-ash") else "none"
 
     def element_format_for(self, direction: str) -> str:
-        """What an element travels as: the FP8 format of the fp8 modes, E2M1 for fp4, INT4 for int4."""
+        """What an element travels as: the FP8 format of the fp8 modes, INT8 for int8, E2M1 for fp4, INT4 for int4."""
         mode = self.mode_for(direction)
-        return _FOUR_BIT_FORMATS.get(mode.split("-")[0], self.fmt)
+        return _MODE_FORMATS.get(mode.split("-")[0], self.fmt)
 
     def rounding_for(self, direction: str) -> str:
         return "stochastic" if direction == "bwd" and self.stochastic_bwd else "nearest"
@@ -250,8 +250,9 @@ def add_taco_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--taco-mode",
         default="none",
-        help="none | fp8 (per-group FP8) | fp8-ash (Adaptive Scale-Hadamard + FP8) | fp4, fp4-ash (FP4 E2M1, "
-        "4 bits per value) | int4, int4-ash (INT4 -7..7). Default: none",
+        help="none | fp8 (per-group FP8) | fp8-ash (Adaptive Scale-Hadamard + FP8) | int8, int8-ash (INT8 "
+        "-127..127, the same bytes as FP8) | fp4, fp4-ash (FP4 E2M1, 4 bits per value) | int4, int4-ash (INT4 -7..7). "
+        "Default: none",
     )
     group.add_argument(
         "--taco-bwd-mode",
@@ -358,7 +359,7 @@ def _check_te_covers(settings: LinearSettings, context: str = "") -> None:
         if settings.element_format_for(direction) not in FORMATS:
             raise TacoConfigError(
                 f"--taco-backend te casts to FP8 only (Transformer Engine's block quantizer), not {flag} {mode}; "
-                f"use --taco-backend triton for the 4-bit modes{context}"
+                f"use --taco-backend triton for the INT8 and 4-bit modes{context}"
             )
         if settings.group_size != TE_GROUP_SIZE or settings.scales != "fp32":
             raise TacoConfigError(
@@ -370,17 +371,17 @@ def _check_te_covers(settings: LinearSettings, context: str = "") -> None:
 
 def _check_combinations(settings: LinearSettings, context: str = "") -> None:
     """Refuse mode / scale / rounding combinations no codec implements (``context``: where they came from)."""
-    if settings.stochastic_bwd and settings.element_format_for("bwd") not in _FOUR_BIT_FORMATS.values():
+    if settings.stochastic_bwd and ELEMENT_FORMATS[settings.element_format_for("bwd")].bits != 4:
         raise TacoConfigError(
             "--taco-stochastic-rounding needs a 4-bit gradient mode (fp4, fp4-ash, int4, int4-ash as --taco-mode or "
             f"--taco-bwd-mode); the gradient traffic's mode is {settings.mode_for('bwd')}{context}"
         )
     for direction, flag in (("fwd", "--taco-mode"), ("bwd", "--taco-bwd-mode")):
-        mode = settings.mode_for(direction)
-        if settings.scales == "e4m3" and mode != "none" and settings.element_format_for(direction) in FORMATS:
+        mode, bits = settings.mode_for(direction), ELEMENT_FORMATS[settings.element_format_for(direction)].bits
+        if settings.scales == "e4m3" and mode != "none" and bits != 4:
             raise TacoConfigError(
                 f"--taco-scales e4m3 (E4M3 group scales times a message scale, NVFP4's layout) is for the 4-bit "
-                f"modes, not {flag} {mode}; use fp32, dual or e8m0 with FP8{context}"
+                f"modes, not {flag} {mode}; use fp32, dual or e8m0 with 8-bit codes{context}"
             )
         if settings.scales == "dual" and mode != "none" and settings.transform_for(direction) != "ash":
             raise TacoConfigError(
