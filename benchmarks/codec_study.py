@@ -28,7 +28,7 @@ from typing import Dict, List, Tuple
 import torch
 
 from megatron_taco.codec import TacoCodec
-from megatron_taco.codec.baselines import GroupINT8, PerTensorFP8
+from megatron_taco.codec.baselines import PerTensorFP8
 from megatron_taco.testing.distributed import run_distributed
 from megatron_taco.testing.tensors import DISTRIBUTIONS
 from megatron_taco.training.model import ModelShape
@@ -48,7 +48,8 @@ def _variants(group: int) -> Dict[str, object]:
         "TACO E8M0 scale": TacoCodec(group, scales="e8m0", backend="torch"),
         "TACO folded, E5M2": TacoCodec(group, fmt="e5m2", scales="fp32", backend="torch"),
         "group FP8, no Hadamard": TacoCodec(group, transform="none", scales="fp32", backend="torch"),
-        "group INT8": GroupINT8(group),
+        "INT8 + Hadamard": TacoCodec(group, fmt="int8", scales="fp32", backend="torch"),
+        "INT8, no Hadamard": TacoCodec(group, fmt="int8", transform="none", scales="fp32", backend="torch"),
         # 4-bit: two values per byte
         "FP4 E2M1 + Hadamard": TacoCodec(group, fmt="e2m1", scales="fp32", backend="torch"),
         "FP4 E2M1 + Hadamard, E8M0": TacoCodec(group, fmt="e2m1", scales="e8m0", backend="torch"),
@@ -381,6 +382,7 @@ def _conclusions(rows) -> List[str]:
     """The default (G, scale storage) and the transform finding, with the numbers behind them."""
     dual, folded, e8m0 = "TACO dual fp32 scales (paper)", "TACO folded fp32 scale", "TACO E8M0 scale"
     plain = "group FP8, no Hadamard"
+    int8, int8_plain = "INT8 + Hadamard", "INT8, no Hadamard"
     real = lambda v, g, c=3: _mean(rows, v, g, c, True)  # noqa: E731
     synth = lambda v, g, c=4: _mean(rows, v, g, c, False)  # noqa: E731
     ratio = {r[1]: r[7] for r in rows if r[2] == 128}
@@ -401,9 +403,14 @@ def _conclusions(rows) -> List[str]:
         f"is {'better' if real(folded, 128, 4) < real(plain, 128, 4) else 'worse'}: {real(folded, 128, 4):.4f} vs {real(plain, 128, 4):.4f} on real traffic, {synth(folded, 128):.3f} vs "
         f"{synth(plain, 128):.4f} on the synthetic inputs (driven by the outlier-channel input: the Hadamard spreads an "
         f"outlier's rounding error over every value of its group, while FP8's log grid already keeps small values). "
-        f"INT8 shows the zero collapse the paper describes ({100 * real('group INT8', 128, 5):.2f}% of non-zero real "
-        f"values decode to 0; FP8 variants {100 * real(folded, 128, 5):.2f}%). Both transforms are selectable "
-        f"(`--taco-mode fp8-ash` / `fp8`); the end-to-end loss study decides between them.",
+        f"INT8 without it shows the zero collapse the paper describes ({100 * real(int8_plain, 128, 5):.2f}% of "
+        f"non-zero real values decode to 0; FP8 variants {100 * real(folded, 128, 5):.2f}%). Both transforms are "
+        f"selectable (`--taco-mode fp8-ash` / `fp8`); the end-to-end loss study decides between them.",
+        f"- **INT8** (`--taco-mode int8-ash` / `int8`, the same bytes as FP8): real traffic rel. L2 at G=128 "
+        f"{real(int8, 128):.4f} with the Hadamard, {real(int8_plain, 128):.4f} without, against FP8's "
+        f"{real(folded, 128):.4f} / {real(plain, 128):.4f}; the near-zero half {real(int8, 128, 4):.4f} / "
+        f"{real(int8_plain, 128, 4):.4f} (FP8 {real(folded, 128, 4):.4f} / {real(plain, 128, 4):.4f}), zero collapse "
+        f"{100 * real(int8, 128, 5):.2f}% / {100 * real(int8_plain, 128, 5):.2f}%.",
         *_four_bit_conclusions(rows),
     ]
 

@@ -404,7 +404,7 @@ def _parse(argv):
 @pytest.mark.parametrize(
     "argv,flag",
     [
-        (["--taco-mode", "int8"], "--taco-mode"),
+        (["--taco-mode", "int2"], "--taco-mode"),
         (["--taco-layers", "3-1"], "--taco-layers"),
         (["--taco-layers", "0-2"], "--taco-layers"),
         (["--taco-layers", "1,x"], "--taco-layers"),
@@ -422,7 +422,7 @@ def _parse(argv):
         (["--taco-log-interval", "-1"], "--taco-log-interval"),
         (["--taco-override", "1-2"], "--taco-override"),
         (["--taco-override", "1-2:speed=fast"], "--taco-override"),
-        (["--taco-override", "1-2:mode=int8"], "--taco-override"),
+        (["--taco-override", "1-2:mode=int2"], "--taco-override"),
     ],
 )
 def test_invalid_flags_name_the_flag_and_value(argv, flag):

@@ -3,8 +3,8 @@
 - :class:`PerTensorFP8`: one scale for the whole tensor, what Transformer
   Engine's current-scaling quantizer does (TE is used when importable).
 - per-group FP8 without Hadamard: ``TacoCodec(transform="none")``.
-- :class:`GroupINT8`: per-group absmax INT8 with a uniform grid (the format
-  that suffers "zero collapse" on activations clustered near zero).
+- per-group INT8 without Hadamard (the format that suffers "zero collapse" on activations clustered near
+  zero): ``TacoCodec(fmt="int8", transform="none")``.
 
 Their buffers carry no header: they are for the numerics study, not the wire.
 """
@@ -18,7 +18,7 @@ import torch
 
 from megatron_taco.codec.format import FP8_FORMATS
 
-__all__ = ["PerTensorFP8", "GroupINT8"]
+__all__ = ["PerTensorFP8"]
 
 
 def _transformer_engine_quantizer(fmt: str, device: torch.device):
@@ -60,32 +60,3 @@ class PerTensorFP8:
         numel = math.prod(shape)
         scale_inv = buf[numel:].view(torch.float32)
         return (buf[:numel].view(self.format.torch_dtype).float() * scale_inv).to(dtype).view(shape)
-
-
-class GroupINT8:
-    """Per-group symmetric INT8: q = round(x * 127 / max|x|). Wire: [int8 codes | fp32 scales]."""
-
-    def __init__(self, group_size: int = 128) -> None:
-        self.group_size = group_size
-
-    def compressed_nbytes(self, numel: int) -> int:
-        groups = -(-numel // self.group_size)
-        return groups * (self.group_size + 4)
-
-    def compress(self, x: torch.Tensor) -> torch.Tensor:
-        numel = x.numel()
-        groups = -(-numel // self.group_size)
-        padded = torch.zeros(groups * self.group_size, dtype=torch.float32, device=x.device)
-        padded[:numel] = x.reshape(-1)
-        g = padded.view(groups, self.group_size)
-        amax = g.abs().amax(dim=-1)
-        scale = torch.where(amax > 0, amax / torch.tensor(127.0, device=x.device), torch.ones_like(amax))
-        codes = torch.round(g / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        return torch.cat([codes.view(torch.uint8).reshape(-1), scale.view(torch.uint8)])
-
-    def decompress(self, buf: torch.Tensor, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        numel = math.prod(shape)
-        groups = -(-numel // self.group_size)
-        codes = buf[: groups * self.group_size].view(torch.int8).view(groups, self.group_size)
-        scale = buf[groups * self.group_size :].view(torch.float32)
-        return (codes.float() * scale[:, None]).reshape(-1)[:numel].to(dtype).view(shape)
