@@ -11,7 +11,7 @@ import torch
 from megatron_taco.codec import TacoCodec, WireFormatError
 from megatron_taco.codec.format import ELEMENT_FORMATS
 from megatron_taco.codec.reference import code_values
-from megatron_taco.testing.tensors import DISTRIBUTIONS
+from megatron_taco.testing.tensors import DISTRIBUTIONS, messages_with_hard_cases
 
 FOUR_BIT = ("e2m1", "int4")
 SETTINGS = [  # (transform, scales, group size)
@@ -34,24 +34,10 @@ GRIDS = {
 }
 
 
-def _messages(seed: int) -> torch.Tensor:
-    """Rows of realistic traffic plus the hard cases: an outlier, zeros, tiny values, NaN and Inf groups."""
-    gen = torch.Generator().manual_seed(seed)
-    rows = [fn((1, 1024), gen)[0] for fn in DISTRIBUTIONS.values()]
-    x = torch.stack(rows * 2)
-    x[0, 5] = 80.0
-    x[1, :256] = 0.0
-    x[2, 300:340] *= 1e-30
-    x[3, 7] = float("nan")
-    x[4, 600] = float("inf")
-    x[5, 900] = -float("inf")
-    return x
-
-
 @pytest.mark.parametrize("fmt", FOUR_BIT)
 @pytest.mark.parametrize("transform,scales,group", SETTINGS)
 def test_triton_kernels_write_the_reference_bytes_and_decode_to_its_values(fmt, transform, scales, group):
-    x = _messages(seed=group)
+    x = messages_with_hard_cases(seed=group)
     reference = TacoCodec(group_size=group, fmt=fmt, transform=transform, scales=scales, backend="torch")
     triton = TacoCodec(group_size=group, fmt=fmt, transform=transform, scales=scales, backend="triton")
     messages = reference.compress_rows(x)
@@ -70,7 +56,7 @@ def test_every_code_is_the_nearest_grid_point_times_its_scale(fmt):
     is that value times s exactly; non-finite groups decode to NaN, all-zero groups to zeros."""
     group = 32
     codec = TacoCodec(group_size=group, fmt=fmt, transform="none", scales="fp32", backend="torch")
-    x = _messages(seed=1)
+    x = messages_with_hard_cases(seed=1)
     decoded = codec.decompress_rows(codec.compress_rows(x), torch.empty_like(x))
     groups, decoded_groups = x.view(-1, group).double(), decoded.view(-1, group).double()
     finite = torch.isfinite(groups).all(dim=1)
@@ -236,7 +222,7 @@ def test_forward_four_bit_with_fp8_gradients():
 @pytest.mark.parametrize("transform", ["ash", "none"])
 def test_stochastic_rounding_kernels_match_the_reference_call_after_call(fmt, transform):
     """Each compress call draws new noise (the call counter advances), the same on both backends."""
-    x = _messages(seed=3)
+    x = messages_with_hard_cases(seed=3)
     settings = dict(group_size=32, fmt=fmt, transform=transform, scales="e8m0", rounding="stochastic", seed=7)
     reference, triton = TacoCodec(backend="torch", **settings), TacoCodec(backend="triton", **settings)
     messages = [reference.compress_rows(x) for _ in range(3)]

@@ -13,7 +13,7 @@ import torch
 
 from megatron_taco.codec import TacoCodec, reference
 from megatron_taco.codec.format import ELEMENT_FORMATS
-from megatron_taco.testing.tensors import DISTRIBUTIONS
+from megatron_taco.testing.tensors import DISTRIBUTIONS, messages_with_hard_cases
 
 if torch.cuda.is_available():
     DEVICE = "cuda"
@@ -39,24 +39,11 @@ ERROR_BOUNDS = dict(zip(SETTINGS, (0.0084, 0.0108, 0.0077, 0.0109, 0.0327)))
 FP8_ERROR_FRACTION = {"ash": 0.4, "none": 1.0}
 
 
-def _messages(seed: int) -> torch.Tensor:
-    """Rows of realistic traffic plus the hard cases: an outlier, zeros, tiny values, NaN and Inf groups."""
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.stack([fn((1, 1024), gen)[0] for fn in DISTRIBUTIONS.values()] * 2)
-    x[0, 5] = 80.0
-    x[1, :256] = 0.0
-    x[2, 300:340] *= 1e-30
-    x[3, 7] = float("nan")
-    x[4, 600] = float("inf")
-    x[5, 900] = -float("inf")
-    return x
-
-
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("transform,scales,group", SETTINGS)
 def test_triton_kernels_write_the_reference_bytes_and_decode_to_its_values(transform, scales, group, dtype):
-    x = _messages(seed=group).to(dtype)
+    x = messages_with_hard_cases(seed=group).to(dtype)
     ref = TacoCodec(group_size=group, fmt="int8", transform=transform, scales=scales, backend="torch")
     tri = TacoCodec(group_size=group, fmt="int8", transform=transform, scales=scales, backend="triton")
     messages = ref.compress_rows(x)
@@ -74,7 +61,7 @@ def test_every_code_is_the_nearest_integer_times_its_scale():
     decode is that integer times s; non-finite groups decode to NaN, all-zero groups to zeros."""
     group = 32
     codec = TacoCodec(group_size=group, fmt="int8", transform="none", scales="fp32", backend="torch")
-    x = _messages(seed=1)
+    x = messages_with_hard_cases(seed=1)
     decoded = codec.decompress_rows(codec.compress_rows(x), torch.empty_like(x))
     groups, decoded_groups = x.view(-1, group).double(), decoded.view(-1, group).double()
     finite = torch.isfinite(groups).all(dim=1)

@@ -6,7 +6,7 @@ from typing import Callable, Dict
 
 import torch
 
-__all__ = ["gaussian", "DISTRIBUTIONS", "near_underflow_groups"]
+__all__ = ["gaussian", "DISTRIBUTIONS", "near_underflow_groups", "messages_with_hard_cases"]
 
 
 def gaussian(shape, gen: torch.Generator) -> torch.Tensor:
@@ -46,4 +46,18 @@ def near_underflow_groups(rows: int, seed: int, low: float = 2e-38, high: float 
     magnitude = low + torch.rand(rows, 128, generator=gen) * (high - low)
     x = (magnitude * torch.sign(torch.randn(rows, 128, generator=gen))).to(torch.bfloat16)
     x[:, ::7] = 0
+    return x
+
+
+def messages_with_hard_cases(seed: int) -> torch.Tensor:
+    """6 rows of 1024: realistic traffic (each distribution twice) plus the hard cases a codec must keep: an outlier,
+    an all-zero stretch, tiny values, and NaN, +Inf and -Inf groups."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.stack([fn((1, 1024), gen)[0] for fn in DISTRIBUTIONS.values()] * 2)
+    x[0, 5] = 80.0
+    x[1, :256] = 0.0
+    x[2, 300:340] *= 1e-30
+    x[3, 7] = float("nan")
+    x[4, 600] = float("inf")
+    x[5, 900] = -float("inf")
     return x
