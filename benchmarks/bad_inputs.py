@@ -65,7 +65,7 @@ def _cases() -> List[Case]:
         ("global batch not a multiple of the micro-batches", [tiny, "--global-batch-size", "6"]),
         ("TP that does not divide the ranks", [tiny, "--tensor-model-parallel-size", "3"]),
         ("zero PP", [tiny, "--pipeline-model-parallel-size", "0"]),
-        ("unknown TACO mode", [tiny, "--taco-mode", "int8"]),
+        ("unknown TACO mode", [tiny, "--taco-mode", "int2"]),
         ("TACO layers past the model", [tiny, "--taco-layers", "2-99"]),
         ("unknown linear", [tiny, "--taco-linears", "fc3"]),
         ("TE backend without a GPU", [tiny, "--taco-backend", "te"]),
@@ -148,7 +148,7 @@ def _cases() -> List[Case]:
     if importlib.util.find_spec("tensorboard") is None:  # a mistake only where the package is missing
         cases.append(Case("TensorBoard folder without the tensorboard package", [tiny, "--tensorboard-dir", "tb"]))
     launcher = [
-        ("launcher: unknown TACO mode", ["--taco-mode", "int8"]),
+        ("launcher: unknown TACO mode", ["--taco-mode", "int2"]),
         ("launcher: misspelt Megatron-LM flag", ["--num-layer", "3"]),
         ("launcher: word for a number", ["--num-layers", "two"]),
         ("launcher: TACO with TE's userbuffers", ["--taco-mode", "fp8", "--tp-comm-overlap"]),

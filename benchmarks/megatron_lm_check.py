@@ -204,6 +204,9 @@ ROWS = [
     _row("socket", "gpt", "te", "fp8", "int4-ash-edges", repeats=3),
     # --taco-switch on the real training loop: INT4 forward until iteration 10 of 20, then FP8 (the log says when)
     _row("socket", "gpt", "te", "bf16", "int4-ash-switch"),
+    # INT8 at FP8's bytes: the lowest measured 8-bit loss gap (loss_compare_gpt25m_bpe8192.md), with bf16 and TE FP8
+    _row("socket", "gpt", "te", "bf16", "int8", repeats=3),
+    _row("socket", "gpt", "te", "fp8", "int8", repeats=3),
     # PP=2: MAPL at the stage boundary (TP=1), Megatron-LM's own 1F1B schedule
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, repeats=3),
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="1"),  # r = d: the loss must match uncompressed
@@ -241,6 +244,13 @@ SUITES = {
         "socket-gpt-te-fp8-int4-ash-edges",
         "socket-gpt-te-bf16-int4-ash-switch",
     ],
+    "int8": [
+        "socket-gpt-te-bf16-none",
+        "socket-gpt-te-bf16-fp8-ash",
+        "socket-gpt-te-bf16-int8",
+        "socket-gpt-te-fp8-none",
+        "socket-gpt-te-fp8-int8",
+    ],
     "all": [row.name for row in ROWS],
 }
 PARALLEL = {
@@ -257,7 +267,7 @@ PARALLEL = {
 }
 # TACO settings by row name: a --taco-mode, a 4-bit forward with FP8 gradients, that with the edge layers at FP8, and
 # that switched to FP8 after iteration 10
-TACO = {mode: ["--taco-mode", mode] for mode in ("none", "fp8", "fp8-ash", "fp4-ash", "int4-ash")}
+TACO = {mode: ["--taco-mode", mode] for mode in ("none", "fp8", "fp8-ash", "int8", "fp4-ash", "int4-ash")}
 TACO["fp4-ash-fp8bwd"] = ["--taco-mode", "fp4-ash", "--taco-bwd-mode", "fp8-ash"]
 TACO["int4-ash-fp8bwd"] = ["--taco-mode", "int4-ash", "--taco-bwd-mode", "fp8-ash"]
 TACO["int4-ash-edges"] = TACO["int4-ash-fp8bwd"] + ["--taco-override", "1,last:mode=fp8-ash"]

@@ -110,7 +110,7 @@ def test_launcher_without_taco_flags_keeps_stock_behaviour(tmp_path):
 @pytest.mark.parametrize(
     "flags,message",
     [
-        (["--taco-mode", "int8"], "--taco-mode: invalid value 'int8'"),
+        (["--taco-mode", "int2"], "--taco-mode: invalid value 'int2'"),
         (["--taco-mode", "fp8", "--tp-comm-overlap"], "--taco-mode fp8 with --tp-comm-overlap"),
         (["--taco-mode", "fp8", "--taco-layers", "2-9"], "--taco-layers: layer range 2-9 exceeds"),
         (["--taco-mode", "int4-ash", "--taco-switch", "800"], "--taco-switch: invalid value '800'; use ITER:key=value"),
