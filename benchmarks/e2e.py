@@ -95,6 +95,8 @@ LOSS_VARIANTS = {  # name: (TACO, MAPL); TACO runs at TP=2 + SP, MAPL at PP=2
     "TACO fp8-ash, forward only": (_forced_taco("fp8-ash", "fwd"), None),
     "TACO fp8-ash, backward only": (_forced_taco("fp8-ash", "bwd"), None),
     "TACO fp8 (no Hadamard)": (_forced_taco("fp8"), None),
+    "TACO int8 (no Hadamard)": (_forced_taco("int8"), None),
+    "TACO int8-ash": (_forced_taco("int8-ash"), None),
     "TACO fp4-ash": (_forced_taco("fp4-ash"), None),
     "TACO int4-ash": (_forced_taco("int4-ash"), None),
     "TACO fp4-ash forward, fp8-ash backward": (_forced_taco("fp4-ash", bwd_mode="fp8-ash"), None),
@@ -198,7 +200,15 @@ def _throughput_worker(steps: int, warmup: int, micro_batches: int, forced: bool
     # the baseline again at the end (A-B-A): the first model trained in a process may run at another speed
     variants = (
         [("baseline", None), ("TACO auto", TACO_AUTO)]
-        + ([("TACO forced", TACO_FORCED), ("TACO fp4-ash forced", _forced_taco("fp4-ash"))] if forced else [])
+        + (
+            [
+                ("TACO forced", TACO_FORCED),
+                ("TACO int8 forced", _forced_taco("int8")),
+                ("TACO fp4-ash forced", _forced_taco("fp4-ash")),
+            ]
+            if forced
+            else []
+        )
         + [("baseline, again after TACO", None)]
     )
     return [
