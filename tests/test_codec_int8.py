@@ -142,3 +142,27 @@ def test_the_int8_modes_select_their_format(mode, transform):
     settings = taco_config_from_args(add_taco_args(argparse.ArgumentParser()).parse_args(["--taco-mode", mode])).default
     for direction in ("fwd", "bwd"):
         assert (settings.element_format_for(direction), settings.transform_for(direction)) == ("int8", transform)
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--taco-scales", "e4m3"], "--taco-scales e4m3 (E4M3 group scales times a message scale, NVFP4's layout) is "
+         "for the 4-bit modes, not --taco-mode int8"),
+        (["--taco-scales", "dual"], "--taco-scales dual stores the adaptive scale of the -ash modes, not --taco-mode int8"),
+        (["--taco-stochastic-rounding"], "--taco-stochastic-rounding needs a 4-bit gradient mode"),
+        (["--taco-backend", "te"], "--taco-backend te casts to FP8 only (Transformer Engine's block quantizer), not "
+         "--taco-mode int8"),
+    ],
+    ids=["e4m3-scales", "dual-scales", "stochastic-rounding", "te-backend"],
+)  # fmt: skip
+def test_what_no_int8_codec_does_is_refused_naming_the_flag(flags, message):
+    import argparse
+
+    from megatron_taco.config.errors import TacoConfigError
+    from megatron_taco.config.taco import add_taco_args, taco_config_from_args
+
+    args = add_taco_args(argparse.ArgumentParser()).parse_args(["--taco-mode", "int8"] + flags)
+    with pytest.raises(TacoConfigError) as error:
+        taco_config_from_args(args)
+    assert str(error.value).startswith(message)

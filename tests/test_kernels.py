@@ -92,7 +92,8 @@ def test_compress_bytes_equal_reference_for_each_input_dtype(dtype):
 @pytest.mark.parametrize(
     "fmt,transform,scales,high",
     [("e4m3", "ash", "fp32", 1e-37), ("e4m3", "none", "fp32", 1e-37), ("e5m2", "ash", "dual", 1e-37),
-     ("int4", "ash", "fp32", 1e-37), ("e2m1", "none", "fp32", 1e-37), ("int4", "none", "fp32", 1.7e-38)],
+     ("int4", "ash", "fp32", 1e-37), ("e2m1", "none", "fp32", 1e-37), ("int4", "none", "fp32", 1.7e-38),
+     ("int8", "ash", "fp32", 1e-37), ("int8", "none", "e8m0", 1e-37)],
 )  # fmt: skip
 def test_a_near_underflow_group_compresses_to_the_references_bytes(fmt, transform, scales, high):
     """Groups whose max is below M * 2^-126, the scale floor (tests/test_codec.py: they decoded to NaN or at a
