@@ -153,8 +153,10 @@ def test_the_int8_modes_select_their_format(mode, transform):
         (["--taco-stochastic-rounding"], "--taco-stochastic-rounding needs a 4-bit gradient mode"),
         (["--taco-backend", "te"], "--taco-backend te casts to FP8 only (Transformer Engine's block quantizer), not "
          "--taco-mode int8"),
+        (["--taco-fp8-format", "e5m2"], "--taco-fp8-format e5m2 sets the element format of the fp8 / fp8-ash modes, "
+         "and no traffic here uses one (--taco-mode int8)"),
     ],
-    ids=["e4m3-scales", "dual-scales", "stochastic-rounding", "te-backend"],
+    ids=["e4m3-scales", "dual-scales", "stochastic-rounding", "te-backend", "fp8-format"],
 )  # fmt: skip
 def test_what_no_int8_codec_does_is_refused_naming_the_flag(flags, message):
     import argparse

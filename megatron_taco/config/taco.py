@@ -431,11 +431,25 @@ def taco_config_from_args(args: argparse.Namespace) -> TacoConfig:
         error_sample_interval=_positive_int(args.taco_error_sample_interval, "--taco-error-sample-interval"),
     )
     switch_text = getattr(args, "taco_switch", None)
-    if switch_text is None:
-        return config
-    iteration, switched = _parse_switch(switch_text, default)
-    then = dataclasses.replace(config, default=switched, overrides=overrides_from(switched, switch_text))
-    return dataclasses.replace(config, switch=(iteration, then))
+    if switch_text is not None:
+        iteration, switched = _parse_switch(switch_text, default)
+        then = dataclasses.replace(config, default=switched, overrides=overrides_from(switched, switch_text))
+        config = dataclasses.replace(config, switch=(iteration, then))
+    _check_fp8_format_is_used(config, default.fmt)
+    return config
+
+
+def _check_fp8_format_is_used(config: TacoConfig, fmt: str) -> None:
+    """Refuse --taco-fp8-format other than the default where no traffic uses an FP8 mode (it would do nothing)."""
+    if fmt == LinearSettings.fmt:
+        return
+    configs = [config] + ([config.switch[1]] if config.switch is not None else [])
+    settings = [s for c in configs for s in [c.default] + [o for _, o in c.overrides]]
+    if not any(s.mode_for(d).startswith("fp8") for s in settings for d in ("fwd", "bwd")):
+        raise TacoConfigError(
+            f"--taco-fp8-format {fmt} sets the element format of the fp8 / fp8-ash modes, and no traffic here uses "
+            f"one (--taco-mode {config.default.mode}); drop it, or choose an fp8 mode"
+        )
 
 
 def check_switch_before_end(config: TacoConfig, train_iters: Optional[int]) -> None:
