@@ -47,8 +47,10 @@ __all__ = ["LAUNCH_CONFIG", "compress_rows", "decompress_rows", "transform_rows"
 _SCALE_MODE_IDS = {"fp32": 0, "dual": 1, "e8m0": 2, "e4m3": 3}
 SCALE_FLOOR = tl.constexpr(2.0**reference.SCALE_FLOOR_EXPONENT)  # s_q >= this with fp32 / dual scales
 MESSAGE_SCALE_FLOOR = tl.constexpr(2.0**reference.MESSAGE_SCALE_FLOOR_EXPONENT)  # S >= this with e4m3 scales
-# 1.5 * 2^23 + 8: fp32 values in [2^23, 2^24) are the integers, so adding it to |q| < 2^22 rounds q to an integer n
-# (ties to even: the constant is even) and leaves the bits 0x4B400008 + n
+# 1.5 * 2^23 (+ 8): fp32 values in [2^23, 2^24) are the integers, so adding it to |q| < 2^22 rounds q to an integer n
+# (ties to even: the constant is even) and leaves the bits 0x4B400000 + n (INT8: the low byte is n's two's
+# complement) or 0x4B400008 + n (INT4: the low nibble is n + 8)
+INT8_BIAS = tl.constexpr(12582912.0)
 INTEGER_BIAS = tl.constexpr(12582920.0)
 # GPU launch shape, per kernel: (warps, elements per thread E; at least one access, at most G). Chosen from the sweep
 # in benchmarks/kernels.py (see benchmarks/results/kernels.md).
@@ -210,14 +212,14 @@ def _e2m1_codes(a, signed):
 
 
 @triton.jit
-def _integer_biased(a, b, HW_ROUNDING: tl.constexpr):
-    """rint(a * b) + INTEGER_BIAS in fp32: the exact product rounded once to an integer (ties to even), in one fused
-    multiply-add (``reference._integer_codes``). The interpreter's fma may round twice, so there in fp64, where the
-    product of two fp32 is exact and adding 1.5 * 2^52 rounds it to an integer."""
+def _integer_biased(a, b, BIAS: tl.constexpr, HW_ROUNDING: tl.constexpr):
+    """rint(a * b) + BIAS in fp32 (BIAS = 1.5 * 2^23 + k, k small and even): the exact product rounded once to an
+    integer (ties to even), in one fused multiply-add (``reference._integer_codes``). The interpreter's fma may round
+    twice, so there in fp64, where the product of two fp32 is exact and adding 1.5 * 2^52 rounds it to an integer."""
     if HW_ROUNDING:
-        return tl.fma(a, b, INTEGER_BIAS)
+        return tl.fma(a, b, BIAS)
     product = a.to(tl.float64) * b.to(tl.float64)
-    return ((product + 6755399441055744.0) - 6755399441055744.0).to(tl.float32) + INTEGER_BIAS
+    return ((product + 6755399441055744.0) - 6755399441055744.0).to(tl.float32) + BIAS
 
 
 @triton.jit
@@ -431,18 +433,16 @@ def _compress_kernel(
         a = h
         b = tl.where(nonfinite, float("nan"), multiplier * inverse)
     if CODE_KIND == 4:
-        # INT8 to nearest, as INT4 below: the bits 0x4B400008 + rint(q), |rint(q)| <= M = 127 (no clamp: the
-        # scale is at least amax / M); minus 8, the low byte is rint(q)'s two's complement. A non-finite group's
-        # codes are zeros (its NaN scale decodes it to NaN).
-        t = _integer_biased(a, b[:, None], HW_ROUNDING)
-        codes = ((t.to(tl.uint32, bitcast=True) - 8) & 0xFF).to(tl.uint8)
-        codes = tl.where(nonfinite[:, None], 0, codes)
+        # INT8 to nearest, as INT4 below: the bits 0x4B400000 + rint(q), |rint(q)| <= M = 127 (no clamp: the
+        # scale is at least amax / M), whose low byte is rint(q)'s two's complement. A non-finite group's codes are
+        # zeros, stored over them below (its NaN scale decodes it to NaN).
+        codes = _integer_biased(a, b[:, None], INT8_BIAS, HW_ROUNDING).to(tl.uint32, bitcast=True).to(tl.uint8)
     elif CODE_KIND == 3 and not STOCHASTIC:
         # INT4 to nearest: t = rint(a * b) + 1.5 * 2^23 + 8 (one fused multiply-add), bits 0x4B400008 + rint(q):
         # 8 + the code's value in the low nibble. Clamped to +-M in t where the scale can round down (e4m3:
         # rounding is monotonic and M an integer); with a scale of at least amax / M (fp32, dual: s_q = max(amax,
         # M 2^-126) / M; e8m0: its power-of-two ceiling) |q| <= M (1 + 2^-22), which rounds to +-M.
-        t = _integer_biased(a, b[:, None], HW_ROUNDING)
+        t = _integer_biased(a, b[:, None], INTEGER_BIAS, HW_ROUNDING)
         if SCALE_MODE == 3:
             t = tl.minimum(tl.maximum(t, INTEGER_BIAS - FP8_MAX), INTEGER_BIAS + FP8_MAX)
         # the bits are 0x4B400000 + (n + 8): packed, the 0x4B400000 of every nibble sums to 0x3F400000 (mod 2^32),
@@ -494,7 +494,12 @@ def _compress_kernel(
             if not HW_ROUNDING:  # the interpreter's cast of NaN may keep its sign
                 codes = tl.where(nonfinite[:, None], NAN_BYTE, codes)
         codes = _to_tile(codes, BLOCK_G, G, THREADS, CODE_VEC)
-        tl.store(out_ptr + 16 + _tile_offsets(groups, G, THREADS, CODE_VEC), codes, mask=group_ok[None, :, None, None])
+        code_offsets = _tile_offsets(groups, G, THREADS, CODE_VEC)
+        tl.store(out_ptr + 16 + code_offsets, codes, mask=group_ok[None, :, None, None])
+        if CODE_KIND == 4:  # a non-finite group's codes are zeros: the same thread stores them over its own
+            tl.store(
+                out_ptr + 16 + code_offsets, tl.zeros_like(codes), mask=(group_ok & nonfinite)[None, :, None, None]
+            )
 
     if SCALE_MODE == 3:
         tl.store(out_ptr + scales_offset + groups, group_bytes, mask=group_ok)
