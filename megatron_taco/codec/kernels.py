@@ -51,7 +51,7 @@ MESSAGE_SCALE_FLOOR = tl.constexpr(2.0**reference.MESSAGE_SCALE_FLOOR_EXPONENT) 
 # (ties to even: the constant is even) and leaves the bits 0x4B400000 + n (INT8: the low byte is n's two's
 # complement) or 0x4B400008 + n (INT4: the low nibble is n + 8)
 INT8_BIAS = tl.constexpr(12582912.0)
-INTEGER_BIAS = tl.constexpr(12582920.0)
+INT4_BIAS = tl.constexpr(12582920.0)
 # GPU launch shape, per kernel: (warps, elements per thread E; at least one access, at most G). Chosen from the sweep
 # in benchmarks/kernels.py (see benchmarks/results/kernels.md).
 LAUNCH_CONFIG = {"compress": (2, 32), "decompress_sum": (2, 32)}
@@ -213,7 +213,7 @@ def _e2m1_codes(a, signed):
 
 @triton.jit
 def _integer_biased(a, b, BIAS: tl.constexpr, HW_ROUNDING: tl.constexpr):
-    """rint(a * b) + BIAS in fp32 (BIAS = 1.5 * 2^23 + k, k small and even): the exact product rounded once to an
+    """rint(a * b) + BIAS in fp32 (INT8_BIAS or INT4_BIAS): the exact product rounded once to an
     integer (ties to even), in one fused multiply-add (``reference._integer_codes``). The interpreter's fma may round
     twice, so there in fp64, where the product of two fp32 is exact and adding 1.5 * 2^52 rounds it to an integer."""
     if HW_ROUNDING:
@@ -442,9 +442,9 @@ def _compress_kernel(
         # 8 + the code's value in the low nibble. Clamped to +-M in t where the scale can round down (e4m3:
         # rounding is monotonic and M an integer); with a scale of at least amax / M (fp32, dual: s_q = max(amax,
         # M 2^-126) / M; e8m0: its power-of-two ceiling) |q| <= M (1 + 2^-22), which rounds to +-M.
-        t = _integer_biased(a, b[:, None], INTEGER_BIAS, HW_ROUNDING)
+        t = _integer_biased(a, b[:, None], INT4_BIAS, HW_ROUNDING)
         if SCALE_MODE == 3:
-            t = tl.minimum(tl.maximum(t, INTEGER_BIAS - FP8_MAX), INTEGER_BIAS + FP8_MAX)
+            t = tl.minimum(tl.maximum(t, INT4_BIAS - FP8_MAX), INT4_BIAS + FP8_MAX)
         # the bits are 0x4B400000 + (n + 8): packed, the 0x4B400000 of every nibble sums to 0x3F400000 (mod 2^32),
         # and n + 8 xor 8 is n's two's complement nibble
         words = (_pack_nibble_words(t.to(tl.uint32, bitcast=True), BLOCK_G, G) - 0x3F400000) ^ 0x88888888
