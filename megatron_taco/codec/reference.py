@@ -296,16 +296,13 @@ def encode_groups(
         a, b = h * multiplier[:, None], inverse[:, None]
     else:  # m = 1/sqrt(G) or 1: m * inverse <= 2^126 (fp32, e8m0 scales; e4m3: 1 / s_g <= 2^126 by S's floor)
         a, b = h, (multiplier * inverse)[:, None]
-    if fmt.bits == 4:  # a non-finite group's NaN scale decodes it to NaN; its codes are zeros
+    if fmt.bits == 4 or fmt.integer:  # a non-finite group's NaN scale decodes it to NaN; its codes are zeros
         if fmt.integer and noise is None:
             codes = _integer_codes(a, b, fmt)
         else:
             codes = _four_bit_codes((a * b).clamp(-fmt.max_value, fmt.max_value), fmt, noise)
         codes = torch.where(nonfinite[:, None], 0, codes)
-        return _pack_nibbles(codes), stored
-    if fmt.integer:  # INT8: a non-finite group's NaN scale decodes it to NaN; its codes are zeros
-        codes = torch.where(nonfinite[:, None], 0, _integer_codes(a, b, fmt))
-        return codes.to(torch.uint8), stored
+        return (_pack_nibbles(codes) if fmt.bits == 4 else codes.to(torch.uint8)), stored
     q = (a * b).clamp(-fmt.max_value, fmt.max_value)
     codes = q.to(fmt.torch_dtype).view(torch.uint8)
     codes = torch.where(nonfinite[:, None], torch.full_like(codes, NAN_CODE), codes)
