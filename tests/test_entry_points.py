@@ -182,7 +182,7 @@ def test_run_script_works_from_any_folder_with_paths_from_there(tmp_path):
     assert (tmp_path / "ckpt" / "latest").read_text() == "2"
     total = re.search(r"^taco total: ([\d.]+) MiB -> ([\d.]+) MiB \(([\d.]+)x\); 0 of \d+ messages", proc.stdout, re.M)
     assert total, proc.stdout[-3000:]
-    # the config's fp8-ash: a byte per fp32 value plus a 4-byte scale per group of 128
+    # the config's int8: a byte per fp32 value plus a 4-byte scale per group of 128
     assert float(total[3]) == pytest.approx(4 / (1 + 4 / 128), rel=0.01)
 
     proc = subprocess.run(

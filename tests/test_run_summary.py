@@ -109,7 +109,7 @@ def _check_steps_line(text, first, last, of, head="run summary: ", resumed=""):
 
 
 def test_taco_summary_counts_every_rank_and_the_whole_run_also_on_ctrl_c():
-    """TP=2 + SP, fp8-ash on every message; telemetry lines every 2 steps reset the interval's records, Ctrl-C
+    """TP=2 + SP, the config's int8 on every message; telemetry lines every 2 steps reset the interval's records, Ctrl-C
     before step 4: the summary still counts all three steps of both ranks, then the one Ctrl-C line."""
     out, err, code, _ = run_distributed(
         _trainer, 2, ["--config", TINY, "--train-iters", "100", "--taco-log-interval", "2"], stop_after=3, timeout=300
@@ -124,7 +124,7 @@ def test_taco_summary_counts_every_rank_and_the_whole_run_also_on_ctrl_c():
     shard, full = S // 2 * MICRO * D, S * MICRO * D
     messages = LAYERS * (GLOBAL // MICRO) * 2 * 3  # layers x micro-batches x ranks x steps
     payload = messages * 4 * (shard + full) * FP32
-    group, header, scale = 128, 16, 4  # fp8-ash: a byte per value, a 4-byte fp32 scale per group of 128
+    group, header, scale = 128, 16, 4  # int8: a byte per value, a 4-byte fp32 scale per group of 128
     wire = messages * 4 * sum(header + math.ceil(n / group) * (group + scale) for n in (shard, full))
     sent, uncompressed, ratio, compressed, calls = _one(
         rf"^run summary: TACO tensor-parallel traffic, all ranks, whole run: {NUM} sent vs "
