@@ -204,9 +204,11 @@ ROWS = [
     _row("socket", "gpt", "te", "fp8", "int4-ash-edges", repeats=3),
     # --taco-switch on the real training loop: INT4 forward until iteration 10 of 20, then FP8 (the log says when)
     _row("socket", "gpt", "te", "bf16", "int4-ash-switch"),
-    # INT8 at FP8's bytes: the lowest measured 8-bit loss gap (loss_compare_gpt25m_bpe8192.md), with bf16 and TE FP8
+    # INT8 at FP8's bytes, the configs' mode: the lowest measured 8-bit loss gap (loss_compare_gpt25m_bpe8192.md,
+    # loss_compare_qwen25m_bpe8192.md), with bf16 and TE FP8
     _row("socket", "gpt", "te", "bf16", "int8", repeats=3),
     _row("socket", "gpt", "te", "fp8", "int8", repeats=3),
+    _row("socket", "qwen", "te", "bf16", "int8"),
     # PP=2: MAPL at the stage boundary (TP=1), Megatron-LM's own 1F1B schedule
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, repeats=3),
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="1"),  # r = d: the loss must match uncompressed
@@ -230,6 +232,7 @@ SUITES = {
         "socket-gpt-local-bf16-fp8-ash",
         "socket-gpt-te-bf16-none",
         "socket-gpt-te-bf16-fp8-ash",
+        "socket-gpt-te-bf16-int8",
     ],
     "mapl-smoke": ["socket-gpt-te-bf16-none-pp2", "socket-gpt-te-bf16-none-pp2-mapl8"],
     "four-bit": [
@@ -250,6 +253,8 @@ SUITES = {
         "socket-gpt-te-bf16-int8",
         "socket-gpt-te-fp8-none",
         "socket-gpt-te-fp8-int8",
+        "socket-qwen-te-bf16-none",
+        "socket-qwen-te-bf16-int8",
     ],
     "all": [row.name for row in ROWS],
 }
