@@ -15,8 +15,8 @@ transfers on slow links (one layer per stage), uncompressed vs MAPL 4x, 8x and
 
 Loss: the throughput models (byte-level vocabulary) on real text (the Python
 standard library's sources; validation on held-out files), same seeds, data
-and steps: uncompressed (TP=2 + SP) vs TACO fp8-ash vs MAPL 8x at PP=2 by
-default (``--loss-variants`` adds TACO fp8 without Hadamard and MAPL 8x + VQ),
+and steps: uncompressed (TP=2 + SP) vs TACO int8 (the configs' mode) vs MAPL 8x at PP=2 by
+default (``--loss-variants`` adds the other TACO modes and MAPL 8x + VQ),
 for several seeds. The loss runs go as concurrent process pairs
 (``--loss-parallel``): sharing the GPUs changes how fast the runs go, not what
 they compute. The report is rewritten after every part (and every loss run),
@@ -87,15 +87,16 @@ def _forced_taco(mode: str, direction: str = "both", bwd_mode: Optional[str] = N
     return TacoConfig(default=LinearSettings(mode=mode, direction=direction, bwd_mode=bwd_mode), min_bytes=0)
 
 
-TACO_AUTO = TacoConfig(default=LinearSettings(mode="fp8-ash"))  # min_bytes None: the link probe decides
-TACO_FORCED = _forced_taco("fp8-ash")
+CONFIGS_MODE = "int8"  # configs/*.yaml's --taco-mode: what the headline rows time
+TACO_AUTO = TacoConfig(default=LinearSettings(mode=CONFIGS_MODE))  # min_bytes None: the link probe decides
+TACO_FORCED = _forced_taco(CONFIGS_MODE)
 LOSS_VARIANTS = {  # name: (TACO, MAPL); TACO runs at TP=2 + SP, MAPL at PP=2
     "baseline": (None, None),
-    "TACO fp8-ash": (TACO_FORCED, None),
+    "TACO fp8-ash": (_forced_taco("fp8-ash"), None),
     "TACO fp8-ash, forward only": (_forced_taco("fp8-ash", "fwd"), None),
     "TACO fp8-ash, backward only": (_forced_taco("fp8-ash", "bwd"), None),
     "TACO fp8 (no Hadamard)": (_forced_taco("fp8"), None),
-    "TACO int8 (no Hadamard)": (_forced_taco("int8"), None),
+    "TACO int8 (no Hadamard)": (TACO_FORCED, None),
     "TACO int8-ash": (_forced_taco("int8-ash"), None),
     "TACO fp4-ash": (_forced_taco("fp4-ash"), None),
     "TACO int4-ash": (_forced_taco("int4-ash"), None),
@@ -203,7 +204,7 @@ def _throughput_worker(steps: int, warmup: int, micro_batches: int, forced: bool
         + (
             [
                 ("TACO forced", TACO_FORCED),
-                ("TACO int8 forced", _forced_taco("int8")),
+                ("TACO fp8-ash forced", _forced_taco("fp8-ash")),
                 ("TACO fp4-ash forced", _forced_taco("fp4-ash")),
             ]
             if forced
@@ -326,7 +327,7 @@ def main() -> None:
     parser.add_argument("--loss-parallel", type=int, default=6, help="loss runs (process pairs) at a time")
     parser.add_argument(
         "--loss-variants",
-        default="baseline;TACO fp8-ash;MAPL 8x (PP=2)",
+        default="baseline;TACO int8 (no Hadamard);MAPL 8x (PP=2)",
         help=f"';'-separated, from: {'; '.join(LOSS_VARIANTS)}",
     )
     parser.add_argument("--eval-iters", type=int, default=20)
@@ -492,7 +493,7 @@ def _write(args, results) -> None:
             "## Throughput: TP=2 + SP, bf16, micro-batch 1 x "
             f"{args.micro_batches} per step; median of steps {args.warmup + 1}-{args.steps}",
             "",
-            "TACO = fp8-ash, G=128, E4M3, folded scale. *auto* = the default link policy (`--taco-min-bytes auto`: "
+            f"TACO = {CONFIGS_MODE} (the configs' mode), G=128, fp32 scales. *auto* = the default link policy (`--taco-min-bytes auto`: "
             "probe the TP group, compress only on slow links above the break-even size); *forced* = every message "
             "compressed. " + SPLIT_NOTE,
             "",

@@ -67,6 +67,19 @@ def test_published_configs_parse_and_build_with_their_parameter_count(path):
     assert taco_on
 
 
+def test_every_config_runs_the_mode_the_benchmarks_time_as_the_configs():
+    """configs/*.yaml share one --taco-mode, the one benchmarks/e2e.py times as the configs' (its headline rows)."""
+    import yaml
+
+    from benchmarks import e2e
+
+    modes = {}
+    for path in CONFIGS:
+        with open(path) as f:
+            modes[os.path.basename(path)] = yaml.safe_load(f)["taco"]["mode"]
+    assert set(modes.values()) == {e2e.CONFIGS_MODE}, modes
+
+
 def _train_cli(argv):
     return cli.main(argv)
 
