@@ -89,16 +89,21 @@ def test_backends_that_cannot_run_here_fail_at_start_up(monkeypatch):
     assert _startup_error(["--config", TINY, "--taco-backend", "te", "--taco-mode", "fp4-ash"]).startswith(
         "--taco-backend te casts to FP8 only (Transformer Engine's block quantizer), not --taco-mode fp4-ash"
     )
-    assert _startup_error(["--config", TINY, "--taco-backend", "te", "--taco-group-size", "64"]).startswith(
+    # the config's int8 included
+    assert _startup_error(["--config", TINY, "--taco-backend", "te"]).startswith(
+        "--taco-backend te casts to FP8 only (Transformer Engine's block quantizer), not --taco-mode int8"
+    )
+    te_fp8 = ["--config", TINY, "--taco-backend", "te", "--taco-mode", "fp8-ash"]
+    assert _startup_error([*te_fp8, "--taco-group-size", "64"]).startswith(
         "--taco-backend te: Transformer Engine's block quantizer has 128-element groups with fp32 scales, "
         "not --taco-group-size 64 --taco-scales fp32"
     )
-    assert _startup_error(["--config", TINY, "--taco-backend", "te", "--taco-override", "1-1:mode=int4"]).startswith(
+    assert _startup_error([*te_fp8, "--taco-override", "1-1:mode=int4"]).startswith(
         "--taco-backend te casts to FP8 only (Transformer Engine's block quantizer), not --taco-mode int4"
     )
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     if not torch.cuda.is_available():
-        assert _startup_error(["--config", TINY, "--taco-backend", "te"]).startswith(
+        assert _startup_error(te_fp8).startswith(
             "--taco-backend te: Transformer Engine's FP8 cast needs a GPU (no CUDA device here); use auto"
         )
         assert _startup_error(["--config", TINY, "--taco-backend", "triton"]).startswith(

@@ -268,11 +268,15 @@ ASH_E4M3 = CodecSettings(group_size=128, fmt="e4m3", transform="ash", scales="fp
 @pytest.mark.parametrize(
     "argv,expected",
     [
-        # the config's --taco-mode fp8-ash with every other setting at its default
-        ([], _expected(range(1, 5), LINEARS, ASH_E4M3, ASH_E4M3)),
+        # the config's --taco-mode (int8) with every other setting at its default
+        ([], _expected(range(1, 5), LINEARS, CodecSettings(128, "int8", "none"), CodecSettings(128, "int8", "none"))),
+        # fp8-ash with every other setting at its default
+        (["--taco-mode", "fp8-ash"], _expected(range(1, 5), LINEARS, ASH_E4M3, ASH_E4M3)),
         # every codec flag, a per-range override of each, a forward-only range with two linears
         (
             [
+                "--taco-mode",
+                "fp8-ash",
                 "--taco-group-size",
                 "64",
                 "--taco-scales",
@@ -330,6 +334,8 @@ ASH_E4M3 = CodecSettings(group_size=128, fmt="e4m3", transform="ash", scales="fp
         # FP8 forward, INT4 gradients with stochastic rounding
         (
             [
+                "--taco-mode",
+                "fp8-ash",
                 "--taco-bwd-mode",
                 "int4-ash",
                 "--taco-stochastic-rounding",
@@ -351,7 +357,14 @@ ASH_E4M3 = CodecSettings(group_size=128, fmt="e4m3", transform="ash", scales="fp
             _expected(range(1, 5), LINEARS, CodecSettings(128, "int8", "ash"), CodecSettings(128, "int8", "none")),
         ),
     ],
-    ids=["fp8-ash-defaults", "every-flag", "four-bit-forward-fp8-backward", "int4-stochastic-gradients", "int8"],
+    ids=[
+        "config-defaults",
+        "fp8-ash-defaults",
+        "every-flag",
+        "four-bit-forward-fp8-backward",
+        "int4-stochastic-gradients",
+        "int8",
+    ],
 )
 def test_every_linear_gets_exactly_the_codec_the_flags_ask_for(argv, expected):
     """From the trainer's flags to each linear's codec (transform, FP8 format, group size, scales,
