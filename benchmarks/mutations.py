@@ -298,14 +298,6 @@ MUTATIONS = [  # (what, file, text, replaced by, tests, -k) or file None: SCALE_
         "",
     ),
     (
-        "INT8 non-finite groups keep their codes (kernel)",
-        "megatron_taco/codec/kernels.py",
-        "        if CODE_KIND == 4:  # a non-finite group's codes are zeros",
-        "        if CODE_KIND == 99:  # a non-finite group's codes are zeros",
-        "tests/test_codec_int8.py",
-        "",
-    ),
-    (
         "INT8 grid up to 128, whose code wraps to -128 (format: reference and kernel)",
         "megatron_taco/codec/format.py",
         '"int8": ElementFormat("int8", None, 127.0,',

@@ -497,6 +497,8 @@ def _compress_kernel(
         code_offsets = _tile_offsets(groups, G, THREADS, CODE_VEC)
         tl.store(out_ptr + 16 + code_offsets, codes, mask=group_ok[None, :, None, None])
         if CODE_KIND == 4:  # a non-finite group's codes are zeros: the same thread stores them over its own
+            # (needed on GPUs, whose NaN 0x7FFFFFFF has the low byte 0xFF; the interpreter's NaN has 0, so only the
+            # compiled tests see this store: benchmarks/results/logs/mutation_int8_nonfinite_gpu_2026-12-04.log)
             tl.store(
                 out_ptr + 16 + code_offsets, tl.zeros_like(codes), mask=(group_ok & nonfinite)[None, :, None, None]
             )
