@@ -176,8 +176,9 @@ def simulate_two_ranks(model_chunks) -> int:
                 raise TypeError(f"{name}: the loopback runs megatron-core's local linears, not {type(linear).__name__}")
             if linear.tp_group is not None and linear.tp_group.size() != 1:
                 raise ValueError("simulate_two_ranks runs on a TP=1 model (it computes both ranks itself)")
-            if isinstance(linear, ColumnParallelLinear):
-                owned = _owned_rows(linear.weight.shape[0], gated and name == "fc1", linear.weight.device)
+            if isinstance(linear, ColumnParallelLinear):  # a tied output layer has no weight: the embedding's
+                features, device = linear.output_size_per_partition, next(gpt.parameters()).device
+                owned = _owned_rows(features, gated and name == "fc1", device)
                 linear._forward_impl = _column_impl(linear, owned)
             else:
                 linear._forward_impl = _row_impl(linear)

@@ -19,9 +19,11 @@ STEPS = 4
 
 
 def _trainer(model: str, arm: str, tensor_parallel: int):
+    """``model`` with ``+tied``: its output layer uses the embedding's weight (as configs/gpt-125m.yaml)."""
     from megatron_taco.training.loop import TrainConfig, Trainer
 
-    shape = dataclasses.replace(MODELS[model], num_layers=2)
+    name, _, tied = model.partition("+")
+    shape = dataclasses.replace(MODELS[name], num_layers=2, tie_embeddings=tied == "tied")
     cfg = TrainConfig(shape, tensor_parallel=tensor_parallel, sequence_parallel=tensor_parallel > 1,
                       micro_batch_size=2, num_microbatches=2, dtype="fp32", lr=3e-3, seed=1234,
                       taco=arm_config(arm))  # fmt: skip
@@ -71,7 +73,13 @@ def _real(model: str, arm: str, start: dict):
 
 @pytest.mark.parametrize(
     "model, arm",
-    [("gpt-tiny", "fp8-ash"), ("qwen-tiny", "fp4-ash/fp8-ash"), ("gpt-tiny", "int4-ash+sr"), ("qwen-tiny", "none")],
+    [
+        ("gpt-tiny", "fp8-ash"),
+        ("qwen-tiny", "fp4-ash/fp8-ash"),
+        ("gpt-tiny", "int4-ash+sr"),
+        ("qwen-tiny", "none"),
+        ("gpt-tiny+tied", "int8"),
+    ],
 )
 def test_the_loopback_computes_the_gradients_and_losses_of_two_ranks(model, arm):
     """First-step gradients within 1e-4 relative (observed: 7.3e-6 GPT FP8, where an fp32 summation-order difference
