@@ -17,7 +17,11 @@ over runs, taken in A-B-A order with its baseline. Its ratio is against the matc
 Rows accumulate in the JSON file across invocations (each call of the device machine is limited to
 10 minutes); the report is rewritten from all rows each time.
 Link regimes (``LINK_REGIMES`` in megatron_taco/testing/distributed.py): ``nvlink`` (default NCCL
-transports) and ``socket`` (``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo``).
+transports) and ``socket`` (``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_IFNAME=lo``); and ``one-gpu``
+(``--suite one-gpu``) for a machine with one GPU: both ranks on it, ``--distributed-backend gloo``
+(megatron_taco/testing/one_gpu/sitecustomize.py says how). It runs the same code paths (Megatron-LM's, TE's, TACO's
+kernels and hooks) and checks start-up, telemetry and losses; its speed is gloo's through the host, so those rows
+get no ratio.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ from typing import Dict, List, Optional
 from megatron_taco.testing.distributed import LINK_REGIMES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ONE_GPU = "one-gpu"  # the link of rows with both ranks on one GPU over gloo: the code paths and losses, not the speed
+ONE_GPU_SITE = os.path.join(ROOT, "megatron_taco", "testing", "one_gpu")
 
 MODELS = {
     "gpt": [
@@ -225,6 +231,20 @@ ROWS = [
     _row("nvlink", "gpt", "te", "bf16", "none", pipeline=2, mapl="8"),
     _row("socket", "gpt", "local", "bf16", "none", pipeline=2, release="0.16"),
     _row("socket", "gpt", "local", "bf16", "none", pipeline=2, mapl="8", release="0.16"),
+    # one GPU, both ranks on it over gloo: the user's paths run and train (losses, start-up lines), no speed
+    _row(ONE_GPU, "gpt", "te", "bf16", "none"),
+    _row(ONE_GPU, "gpt", "te", "bf16", "int8"),
+    _row(ONE_GPU, "gpt", "te", "bf16", "int8", path="patch"),
+    _row(ONE_GPU, "gpt", "local", "bf16", "none"),
+    _row(ONE_GPU, "gpt", "local", "bf16", "int8"),
+    _row(ONE_GPU, "gpt", "te", "fp8", "none"),
+    _row(ONE_GPU, "gpt", "te", "fp8", "int8"),
+    _row(ONE_GPU, "qwen", "te", "bf16", "none"),
+    _row(ONE_GPU, "qwen", "te", "bf16", "int8"),
+    # PP=2 and MAPL: gloo sends CUDA tensors point to point only through the shim's host buffers (the first try,
+    # without them, failed with "writev ... Bad address"; the buffers are tested on CPU, not yet run on a GPU)
+    _row(ONE_GPU, "gpt", "te", "bf16", "none", pipeline=2),
+    _row(ONE_GPU, "gpt", "te", "bf16", "none", pipeline=2, mapl="8"),
 ]
 SUITES = {
     "smoke": [
@@ -256,7 +276,8 @@ SUITES = {
         "socket-qwen-te-bf16-none",
         "socket-qwen-te-bf16-int8",
     ],
-    "all": [row.name for row in ROWS],
+    ONE_GPU: [row.name for row in ROWS if row.link == ONE_GPU],
+    "all": [row.name for row in ROWS if row.link != ONE_GPU],
 }
 PARALLEL = {
     1: [
@@ -315,6 +336,8 @@ def command(row: Row, checkout: str, port: int) -> List[str]:
         *TACO[row.taco],
         *MAPL[row.mapl],
     ]
+    if row.link == ONE_GPU:
+        flags[flags.index("--distributed-backend") + 1] = "gloo"
     return [
         sys.executable,
         "-m",
@@ -370,12 +393,15 @@ def run_row(row: Row, checkouts: Dict[str, str], work: str, log_dir: str, attemp
     if row.path == "patch":
         checkout = _patched_copy(checkout, work)
     port = _free_port()  # chosen before the fork, one per run
+    one_gpu = row.link == ONE_GPU
     env = {
         **os.environ,
-        **LINK_REGIMES[row.link],
+        **({"MEGATRON_TACO_ONE_GPU": "1"} if one_gpu else LINK_REGIMES[row.link]),
         "CUDA_DEVICE_MAX_CONNECTIONS": "1",
         "PYTHONWARNINGS": "ignore",
-        "PYTHONPATH": os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p),
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (ONE_GPU_SITE if one_gpu else None, ROOT, os.environ.get("PYTHONPATH")) if p
+        ),
     }
     cmd = command(row, checkout, port)
     start = time.time()
@@ -436,7 +462,7 @@ def summarise(results: List[Dict]) -> Dict[str, Dict]:
         entry["ms_per_iter"] = statistics.median(speeds) if speeds else None
     for name, entry in by_row.items():
         base = by_row.get(Row(**entry["row"]).baseline or "")
-        if base and base["ms_per_iter"] and entry["ms_per_iter"]:
+        if base and entry["row"]["link"] != ONE_GPU and base["ms_per_iter"] and entry["ms_per_iter"]:
             entry["ratio"] = base["ms_per_iter"] / entry["ms_per_iter"]
     return by_row
 
@@ -494,6 +520,17 @@ def write_report(results: List[Dict], path: str, meta: Dict) -> None:
         "baseline). Ratio: tokens/s against the uncompressed run of the same implementation, precision, model, "
         "release, parallel layout and link (its `none` row).",
         "",
+    ]
+    if any(entry["row"]["link"] == ONE_GPU for entry in rows.values()):
+        out += [
+            f"`{ONE_GPU}` rows: both ranks on one GPU, `--distributed-backend gloo` (megatron_taco/testing/one_gpu/"
+            "sitecustomize.py): Megatron-LM's, TE's and TACO's code on the GPU, where only one GPU was lent. gloo "
+            "carries every message through the host, so their ms/iter is no speed a user would see and they get no "
+            "ratio; they show that the run trains, what TACO attached (start-up lines), its telemetry and the loss "
+            "beside the `none` row's.",
+            "",
+        ]
+    out += [
         "| row | path | Megatron-LM | model | layers | precision | link | parallel | TACO | MAPL | runs | ms/iter | "
         "ratio | final loss | telemetry |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -510,7 +547,7 @@ def write_report(results: List[Dict], path: str, meta: Dict) -> None:
         ratio = (
             f"{entry['ratio']:.2f}x"
             if "ratio" in entry and not row.get("resume")
-            else ("n/a" if compressed and not row.get("resume") else "-")
+            else ("n/a" if compressed and not row.get("resume") and row["link"] != ONE_GPU else "-")
         )
         losses = [r["final_loss"] for r in entry["runs"] if r["final_loss"] is not None]
         telemetry = (entry["runs"][-1].get("telemetry") or "").replace("taco total: ", "")
@@ -526,8 +563,9 @@ def write_report(results: List[Dict], path: str, meta: Dict) -> None:
         )
         for r in failed:
             out.append(f"|  | ↳ run {r['attempt']} failed: `{r.get('error', '')[:200]}` |||||||||||||")
-    out += ["", "## Goals", ""] + goal_lines(rows)
-    notes = os.path.join(os.path.dirname(path), "megatron_lm_notes.md")
+    if any(entry["row"]["link"] != ONE_GPU for entry in rows.values()):
+        out += ["", "## Goals", ""] + goal_lines(rows)
+    notes = os.path.splitext(path)[0] + "_notes.md"
     if os.path.exists(notes):  # what the numbers mean, written by hand after a run
         out += ["", open(notes).read().strip()]
     policies = sorted({r["link_policy"] for r in results if r.get("link_policy")})

@@ -1,0 +1,99 @@
+"""benchmarks/megatron_lm_check.py's one-GPU link: both ranks of a Megatron-LM run on one GPU over gloo.
+
+The runs themselves need a GPU and a Megatron-LM checkout (the GPU machine); here, on CPU: the rows' commands, and
+megatron_taco/testing/one_gpu/sitecustomize.py loaded by Python in two real gloo ranks started by torchrun.
+"""
+
+import os
+import subprocess
+import sys
+
+from benchmarks import megatron_lm_check as check
+
+PROBE = """
+import os, torch, torch.distributed as dist
+from torch.distributed.distributed_c10d import _coalescing_manager
+rank = int(os.environ["RANK"])
+dist.init_process_group("gloo")
+tensors = [torch.full((3,), rank + 1.0), torch.full((5,), 10.0 * (rank + 1))]
+with _coalescing_manager(dist.group.WORLD, async_ops=False):
+    for tensor in tensors:
+        dist.all_reduce(tensor)
+# PP=2's exchange: each rank sends its tensor and receives the other's in one batch (Megatron-LM's p2p pattern)
+mine, theirs = torch.arange(4.0) + 100 * rank, torch.zeros(4)
+requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, 1 - rank), dist.P2POp(dist.irecv, theirs, 1 - rank)])
+for request in requests:
+    request.wait()
+line = (f"rank {rank}: LOCAL_RANK {os.environ['LOCAL_RANK']}, sums {tensors[0].tolist()} {tensors[1].tolist()}, "
+        f"received {theirs.tolist()} by {type(requests[1]).__name__}, "
+        f"coalesced by {dist.ProcessGroup.allreduce_coalesced.__name__}\\n")
+os.write(1, line.encode())  # one write: the two ranks share the pipe
+dist.destroy_process_group()
+"""
+
+
+def _torchrun(tmp_path, env):
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    port = check._free_port()  # chosen before the fork
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(port),
+        str(script),
+    ]
+    proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
+
+
+def test_the_one_gpu_site_gives_every_rank_device_0_and_sums_coalesced_all_reduces_one_by_one(tmp_path):
+    """With the site folder first on PYTHONPATH and MEGATRON_TACO_ONE_GPU=1 both ranks read LOCAL_RANK 0 (torchrun
+    gave them 0 and 1), megatron-core DDP's coalesced all-reduce goes through the shim with the same sums, and PP=2's
+    batched send / receive pair arrives through host buffers."""
+    site = {"PYTHONPATH": check.ONE_GPU_SITE, "OMP_NUM_THREADS": "1"}
+    sums = "sums [3.0, 3.0, 3.0] [30.0, 30.0, 30.0, 30.0, 30.0]"
+    assert _torchrun(tmp_path, {**site, "MEGATRON_TACO_ONE_GPU": "1"}) == [
+        f"rank 0: LOCAL_RANK 0, {sums}, received [100.0, 101.0, 102.0, 103.0] by _HostReceive, "
+        "coalesced by _allreduce_each",
+        f"rank 1: LOCAL_RANK 0, {sums}, received [0.0, 1.0, 2.0, 3.0] by _HostReceive, coalesced by _allreduce_each",
+    ]
+    # without the switch the site file changes nothing (it is only on PYTHONPATH for one-GPU rows anyway)
+    assert _torchrun(tmp_path, site) == [
+        f"rank 0: LOCAL_RANK 0, {sums}, received [100.0, 101.0, 102.0, 103.0] by Work, coalesced by allreduce_coalesced",
+        f"rank 1: LOCAL_RANK 1, {sums}, received [0.0, 1.0, 2.0, 3.0] by Work, coalesced by allreduce_coalesced",
+    ]
+
+
+def test_one_gpu_rows_run_megatron_lm_over_gloo_and_the_others_over_nccl():
+    one_gpu = [row for row in check.ROWS if row.link == check.ONE_GPU]
+    assert one_gpu and check.SUITES[check.ONE_GPU] == [row.name for row in one_gpu]
+    assert not set(check.SUITES[check.ONE_GPU]) & set(check.SUITES["all"])  # "all" needs two GPUs
+    for row in check.ROWS:
+        cmd = check.command(row, "/megatron-lm", 1234)
+        backend = cmd[cmd.index("--distributed-backend") + 1]
+        assert backend == ("gloo" if row.link == check.ONE_GPU else "nccl"), row.name
+        assert cmd.count("--distributed-backend") == 1
+
+
+def test_one_gpu_rows_get_no_speed_ratio():
+    """gloo carries the messages through the host: its times are not a speed a user would see."""
+
+    def result(name, ms):
+        row = next(row for row in check.ROWS if row.name == name)
+        return {"row": check.dataclasses.asdict(row), "ms_per_iter": ms, "returncode": 0}
+
+    rows = check.summarise(
+        [
+            result("one-gpu-gpt-te-bf16-none", 2900.0),
+            result("one-gpu-gpt-te-bf16-int8", 1160.0),
+            result("socket-gpt-te-bf16-none", 437.0),
+            result("socket-gpt-te-bf16-int8", 270.0),
+        ]
+    )
+    assert "ratio" not in rows["one-gpu-gpt-te-bf16-int8"]
+    assert rows["socket-gpt-te-bf16-int8"]["ratio"] == 437.0 / 270.0
