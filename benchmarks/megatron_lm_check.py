@@ -21,7 +21,11 @@ transports) and ``socket`` (``NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_SOCKET_
 (``--suite one-gpu``) for a machine with one GPU: both ranks on it, ``--distributed-backend gloo``
 (megatron_taco/testing/one_gpu/sitecustomize.py says how). It runs the same code paths (Megatron-LM's, TE's, TACO's
 kernels and hooks) and checks start-up, telemetry and losses; its speed is gloo's through the host, so those rows
-get no ratio.
+get no ratio. On the GPU machine (TE from ``../shared/tools/te_kit.py``'s folder, a Megatron-LM tree carried along):
+
+    bash .te/install.sh && export PYTHONPATH=/tmp/site:$PWD
+    python3 benchmarks/megatron_lm_check.py --megatron-lm DIR --suite one-gpu \
+        --json $OUT/megatron_lm_one_gpu.json --report $OUT/megatron_lm_one_gpu.md   # ~1-2 min a row
 """
 
 from __future__ import annotations
