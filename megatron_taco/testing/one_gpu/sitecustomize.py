@@ -3,7 +3,7 @@
 (Triton kernels, TE layers, the hooks, losses), not speed: gloo carries every message through the host.
 
 Python imports this file at start-up when its folder leads PYTHONPATH (the check puts it there for ``one-gpu`` rows
-only, with MEGATRON_TACO_ONE_GPU=1). It fills two gaps that NCCL does not have, and changes no arithmetic:
+only, with MEGATRON_TACO_ONE_GPU=1). It fills three gaps that NCCL does not have, and changes no arithmetic:
 
 - NCCL refuses two ranks on one device, and Megatron-LM calls ``torch.cuda.set_device(LOCAL_RANK)``: every rank is
   given LOCAL_RANK 0.
@@ -13,7 +13,7 @@ only, with MEGATRON_TACO_ONE_GPU=1). It fills two gaps that NCCL does not have, 
   with "writev ... Bad address"): a send goes from a host copy, a receive lands in a host buffer that is copied into
   the CUDA tensor when the request is waited on (as Megatron-LM's schedules do before they read it).
 
-Both apply to CPU tensors too, so that the CPU tests (tests/test_megatron_lm_check.py) run this code.
+The last two apply to CPU tensors too, so that the CPU tests (tests/test_megatron_lm_check.py) run their code.
 """
 
 import os
