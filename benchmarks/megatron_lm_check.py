@@ -342,17 +342,12 @@ def command(row: Row, checkout: str, port: int) -> List[str]:
     ]
     if row.link == ONE_GPU:
         flags[flags.index("--distributed-backend") + 1] = "gloo"
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(port),
-        *entry,
-        *flags,
-    ]
+    return torchrun(port, *entry, *flags)
+
+
+def torchrun(port: int, *args: str) -> List[str]:
+    """``torchrun`` of two ranks on this host with the rendezvous port chosen before the fork."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port), *args]
 
 
 _ITER_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration \(ms\): ([\d.]+)")

@@ -6,7 +6,6 @@ megatron_taco/testing/one_gpu/sitecustomize.py loaded by Python in two real gloo
 
 import os
 import subprocess
-import sys
 
 from benchmarks import megatron_lm_check as check
 
@@ -35,17 +34,7 @@ dist.destroy_process_group()
 def _torchrun(tmp_path, env):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    port = check._free_port()  # chosen before the fork
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(port),
-        str(script),
-    ]
+    cmd = check.torchrun(check._free_port(), str(script))
     proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))
