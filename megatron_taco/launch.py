@@ -157,6 +157,7 @@ def _patch_model_build() -> None:
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from megatron_taco.megatron.attach import attach_taco
+    from megatron_taco.megatron.te_linears import quantized_gathers_note
 
     original_init = GPTModel.__init__
 
@@ -174,11 +175,13 @@ def _patch_model_build() -> None:
         try:
             if cfg is not None and cfg.enabled:
                 attached = attach_taco([self], cfg)
+                impl = getattr(self.config, "transformer_impl", "local")
                 if first_of_stage:
                     print(
-                        f"megatron_taco: TACO {cfg.default.describe_modes()} ({getattr(self.config, 'transformer_impl', 'local')} "
+                        f"megatron_taco: TACO {cfg.default.describe_modes()} ({impl} "
                         f"linears, {stage}): {attached.describe()}{cfg.describe_switch()}; codec "
-                        f"{describe_backend(cfg.backend, torch.cuda.is_available())}",
+                        f"{describe_backend(cfg.backend, torch.cuda.is_available())}"
+                        + (quantized_gathers_note(self.config) if impl == "transformer_engine" else ""),
                         flush=True,
                     )
                 if cfg.switch is not None:

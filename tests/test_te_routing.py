@@ -4,7 +4,8 @@
 torch.distributed all-gather with TE's signature (TE itself needs CUDA: tests/test_te_linears.py runs
 the real modules on GPUs). Checked: a message of a module with settings goes compressed under the
 linear and direction of the routing table; FP8 gathers (a quantizer given), preallocated outputs and
-modules without settings reach the original function untouched.
+modules without settings reach the original function untouched, and the FP8 gathers of a configured linear
+and direction are counted apart in the telemetry (``--fp8-format`` training: TE's, not TACO's).
 """
 
 import torch
@@ -47,17 +48,44 @@ def _routing():
     stock, _ = column_gather(x, group)  # no module running: TE's own path
     te_linears._ACTIVE.settings, te_linears._ACTIVE.backward = settings, False
     compressed, handle = column_gather(x, group)
-    column_gather(x, group, quantizer=object())  # an FP8 gather: TE's
+    column_gather(x, group, quantizer=object())  # an FP8 gather: TE's, counted apart
     column_gather(x, group, output_tensor=torch.empty(32, 2, 256))  # preallocated output: TE's
     te_linears._ACTIVE.backward = True
     grad_gather(x, group, async_op=True)  # grad of the row linear, in backward
+    backward_only = LinearCompression("layer 4 qkv", None, codec, 0, 0)  # --taco-direction bwd
+    te_linears._ACTIVE.settings = te_linears.TeCompression(column=backward_only)
+    column_gather(x, group, quantizer=object())  # an FP8 gather in a direction TACO does not compress: not counted
     te_linears._ACTIVE.settings = None
-    keys = {key: (rec.calls, rec.compressed_calls) for key, rec in TELEMETRY.records.items()}
-    return calls, keys, float((compressed - stock).norm() / stock.norm()), handle
+    keys = {key: (rec.calls, rec.compressed_calls, rec.te_calls) for key, rec in TELEMETRY.records.items()}
+    return calls, keys, float((compressed - stock).norm() / stock.norm()), handle, TELEMETRY.format_lines()
 
 
 def test_te_messages_route_by_module_file_direction_and_quantizer():
-    calls, keys, error, handle = run_distributed(_routing, 2, timeout=120)[0]
-    assert calls == ["original"] * 3
-    assert keys == {("layer 3 qkv", "all_gather", "fwd"): (1, 1), ("layer 3 proj", "all_gather", "bwd"): (1, 1)}
+    calls, keys, error, handle, lines = run_distributed(_routing, 2, timeout=120)[0]
+    assert calls == ["original"] * 4
+    assert keys == {("layer 3 qkv", "all_gather", "fwd"): (1, 1, 1), ("layer 3 proj", "all_gather", "bwd"): (1, 1, 0)}
     assert 0 < error < 0.05 and handle is None
+    assert lines[0].endswith("; 1 all-gathers sent by Transformer Engine in FP8 / FP4"), lines
+    assert "; 0 of 2 messages of configured linears went uncompressed" in lines[-1]  # TE's not among them
+    assert lines[-1].endswith(
+        "; 1 more went as Transformer Engine's own FP8 / FP4 all-gathers (--fp8-format / --fp4-format training; "
+        "not in the bytes above)"
+    ), lines
+
+
+def test_start_up_note_names_te_fp8_and_fp4_gathers_under_sequence_parallelism():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_taco.megatron.te_linears import quantized_gathers_note
+
+    def config(**kwargs):
+        return TransformerConfig(
+            num_layers=2, hidden_size=64, num_attention_heads=4, tensor_model_parallel_size=2, **kwargs
+        )
+
+    assert quantized_gathers_note(config(fp8="hybrid", sequence_parallel=True)).startswith(
+        "; under --fp8-format Transformer Engine sends the all-gathers itself, quantized"
+    )
+    assert quantized_gathers_note(config(fp4="e2m1", sequence_parallel=True)).startswith("; under --fp4-format")
+    assert quantized_gathers_note(config(fp8="hybrid")) == ""  # no SP: TE all-reduces in bf16, TACO's
+    assert quantized_gathers_note(config(sequence_parallel=True)) == ""  # bf16 training

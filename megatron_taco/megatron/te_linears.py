@@ -21,10 +21,10 @@ reduce-scatter / all-reduce          forward: output of the row linear; backward
                                      the column linear
 ===================================  ==========================================================
 
-Left to TE: all-gathers TE does in FP8 (a quantizer is given, or the input is already a quantized
-tensor: with ``--fp8-format`` training TE's forward all-gather already travels in FP8), and calls with
-preallocated outputs or coalescing. Userbuffers (``--tp-comm-overlap``) bypass these functions; the
-flag check refuses that combination.
+Left to TE: all-gathers TE does in FP8 / FP4 (a quantizer is given, or the input is already a quantized
+tensor: with ``--fp8-format`` training TE's all-gathers already travel in FP8; the telemetry counts them
+apart and the start-up line says so), and calls with preallocated outputs or coalescing. Userbuffers
+(``--tp-comm-overlap``) bypass these functions; the flag check refuses that combination.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ import torch
 
 from megatron_taco import comm
 from megatron_taco.megatron.taco_linears import LinearCompression
+from megatron_taco.megatron.telemetry import TELEMETRY
 
-__all__ = ["TeCompression", "is_te_linear", "compress_te_linear"]
+__all__ = ["TeCompression", "is_te_linear", "compress_te_linear", "quantized_gathers_note"]
 
 # TE module file -> its autograd Function class (None: the file only sends output grads of row linears)
 _TE_FILES = {
@@ -75,11 +76,9 @@ def is_te_linear(module: torch.nn.Module) -> bool:
     return isinstance(module, (te.Linear, te.LayerNormLinear, te.LayerNormMLP))
 
 
-def _message(te_file: str, collective: Callable, quantizer: Any, inp: torch.Tensor):
-    """(LinearCompression, direction) for this call, or None when TE sends it itself."""
-    settings: Optional[TeCompression] = getattr(_ACTIVE, "settings", None)
-    if settings is None or quantizer is not None or type(inp) is not torch.Tensor:
-        return None
+def _owner(te_file: str, collective: Callable) -> tuple:
+    """(LinearCompression or None, direction) of the message this call sends, by the routing table above."""
+    settings: TeCompression = _ACTIVE.settings
     if collective is comm.all_gather:
         if te_file.endswith(".base"):
             return settings.row, "bwd"
@@ -102,10 +101,13 @@ def _intercept(te_file: str, name: str, original: Callable) -> Callable:
         preallocated = any(bound.get(k) is not None for k in ("output", "output_tensor")) or bound.get(
             "external_coalescing"
         )
-        message = None if preallocated else _message(te_file, collective, bound.get("quantizer"), inp)
-        if message is None or message[0] is None:
+        cfg, direction = (None, None) if preallocated else _owner(te_file, collective)
+        if cfg is None:
             return original(*args, **kwargs)
-        cfg, direction = message
+        if bound.get("quantizer") is not None or type(inp) is not torch.Tensor:  # TE's FP8 / FP4 all-gather
+            if cfg.codec(direction) is not None:
+                TELEMETRY.record_sent_by_te((cfg.name, collective.__name__, direction))
+            return original(*args, **kwargs)
         group = list(bound.values())[1] if len(bound) > 1 else None
         return cfg.run(collective, inp.contiguous(), group, direction), None
 
@@ -170,3 +172,15 @@ def compress_te_linear(module: torch.nn.Module, settings: Optional[TeCompression
 
         module.forward = forward
     module.taco = settings
+
+
+def quantized_gathers_note(config: Any) -> str:
+    """The start-up line's note for TE FP8 / FP4 training under sequence parallelism (``config``: the model's
+    TransformerConfig): TE all-gathers in its own quantized format, so TACO carries only the reduce-scatters."""
+    flag = "--fp8-format" if getattr(config, "fp8", None) else "--fp4-format" if getattr(config, "fp4", None) else None
+    if flag is None or not getattr(config, "sequence_parallel", False):
+        return ""
+    return (
+        f"; under {flag} Transformer Engine sends the all-gathers itself, quantized (the telemetry counts them "
+        "apart): TACO compresses the reduce-scatters"
+    )

@@ -2,7 +2,8 @@
 
 Every compressed-linear collective records its uncompressed payload bytes and
 the bytes it put on the wire (the compressed message, or the payload when the
-message went uncompressed); every Nth message per (linear, collective) also
+message went uncompressed); the all-gathers Transformer Engine sends itself in FP8 / FP4
+(under ``--fp8-format`` / ``--fp4-format``) are counted apart; every Nth message per (linear, collective) also
 measures the codec's relative L2 error on the local payload (a local round
 trip: no extra communication). ``TELEMETRY`` is the process-wide instance the
 trainer logs every ``--taco-log-interval`` steps. :meth:`TacoTelemetry.reset` starts a
@@ -33,6 +34,7 @@ class TrafficRecord:
     wire_bytes: int = 0
     error_sum: float = 0.0
     error_samples: int = 0
+    te_calls: int = 0  # messages of a configured linear that Transformer Engine sent itself, quantized (FP8 / FP4)
 
     @property
     def mean_error(self) -> Optional[float]:
@@ -89,6 +91,11 @@ class TacoTelemetry:
         rec.payload_bytes += nbytes
         rec.wire_bytes += nbytes
 
+    def record_sent_by_te(self, key: Key) -> None:
+        """A message of a configured linear that TE all-gathers itself in its own FP8 / FP4 (``--fp8-format`` /
+        ``--fp4-format`` training gives the gather a quantizer): counted apart, its bytes are TE's."""
+        self.records[key].te_calls += 1
+
     def reset(self) -> None:
         """Start a new interval (after a log line); the run total keeps what this one held."""
         for rec in self.records.values():
@@ -121,19 +128,26 @@ class TacoTelemetry:
         lines = []
         for layer, rec in sorted(by_layer.items(), key=lambda item: int(item[0].split()[-1])):
             err = f"{rec.mean_error:.4f}" if rec.mean_error is not None else "-"
+            by_te = f"; {rec.te_calls} all-gathers sent by Transformer Engine in FP8 / FP4" if rec.te_calls else ""
             lines.append(
                 f"taco {layer}: {rec.compressed_calls}/{rec.calls} messages compressed, "
                 f"{rec.payload_bytes / 2**20:.2f} MiB -> {rec.wire_bytes / 2**20:.2f} MiB "
-                f"({rec.payload_bytes / max(rec.wire_bytes, 1):.2f}x), sampled rel.err {err}"
+                f"({rec.payload_bytes / rec.wire_bytes if rec.wire_bytes else 1:.2f}x), sampled rel.err {err}{by_te}"
             )
         payload, wire = self.totals()
-        if payload:
+        by_te = sum(r.te_calls for r in self.records.values())
+        if payload or by_te:
             calls = sum(r.calls for r in self.records.values())
             uncompressed = calls - sum(r.compressed_calls for r in self.records.values())
             lines.append(
-                f"taco total: {payload / 2**20:.2f} MiB -> {wire / 2**20:.2f} MiB ({payload / wire:.2f}x); "
-                f"{uncompressed} of {calls} messages of configured linears went uncompressed "
-                "(below --taco-min-bytes)"
+                f"taco total: {payload / 2**20:.2f} MiB -> {wire / 2**20:.2f} MiB ({payload / wire if wire else 1:.2f}x); "
+                f"{uncompressed} of {calls} messages of configured linears went uncompressed (below --taco-min-bytes)"
+                + (
+                    f"; {by_te} more went as Transformer Engine's own FP8 / FP4 all-gathers (--fp8-format / "
+                    "--fp4-format training; not in the bytes above)"
+                    if by_te
+                    else ""
+                )
             )
         return lines
 
