@@ -153,6 +153,8 @@ def _cases() -> List[Case]:
         ("launcher: misspelt Megatron-LM flag", ["--num-layer", "3"]),
         ("launcher: word for a number", ["--num-layers", "two"]),
         ("launcher: TACO with TE's userbuffers", ["--taco-mode", "fp8", "--tp-comm-overlap"]),
+        ("launcher: TACO without tensor parallelism", ["--taco-mode", "int8"]),
+        ("launcher: TACO with CUDA graphs", ["--taco-mode", "int8", "--cuda-graph-impl", "local"]),
         ("launcher: TACO layers past the model", ["--taco-mode", "fp8", "--taco-layers", "2-9"]),
         ("launcher: MAPL without a pipeline", ["--mapl-ratio", "8"]),
         ("launcher: MAPL setting without MAPL", ["--mapl-vq-levels", "2"]),

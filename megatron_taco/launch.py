@@ -91,18 +91,60 @@ def _with_taco_args(extra_args_provider: Optional[Callable]) -> Callable:
     return provider
 
 
+def _taco_flag(args: argparse.Namespace) -> str:
+    """The flag that turns TACO on, for messages: ``--taco-mode X``, else the override or switch that does."""
+    if args.taco_mode != "none":
+        return f"--taco-mode {args.taco_mode}"
+    return "--taco-override" if getattr(args, "taco_override", None) else "--taco-switch"
+
+
+def _conflicts(args: argparse.Namespace) -> List[tuple]:
+    """(Megatron-LM flag, whether it is given, why TACO cannot run with it)."""
+    graphs = (
+        getattr(args, "cuda_graph_impl", "none") not in (None, "none")
+        or getattr(args, "enable_cuda_graph", False)
+        or getattr(args, "external_cuda_graph", False)
+    )
+    return [
+        (
+            "--tp-comm-overlap",
+            getattr(args, "tp_comm_overlap", False),
+            "Transformer Engine's userbuffers send TP traffic around the collectives TACO compresses",
+        ),
+        (
+            "--symmetric-ar-type",
+            getattr(args, "symmetric_ar_type", None) is not None,
+            "Transformer Engine's symmetric-memory all-reduce sends the proj / fc2 outputs around TACO's collectives",
+        ),
+        (
+            "CUDA graphs (--cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph)",
+            graphs,
+            "graph replays skip TACO's host-side steps (settings handshake, telemetry, --taco-switch)",
+        ),
+        (
+            "--fp8-recipe custom",
+            getattr(args, "fp8", None) and getattr(args, "fp8_recipe", None) == "custom",
+            "Transformer Engine all-gathers a custom recipe's inputs in high precision, past TACO",
+        ),
+    ]
+
+
 def check_megatron_args(args: argparse.Namespace):
     """The TACO config of Megatron-LM's parsed ``args``; raises TacoConfigError for what TACO cannot do."""
     cfg = taco_config_from_args(args)
     if not cfg.enabled:
         return cfg
-    cfg = cfg.for_model(args.num_layers)
+    if args.num_layers is not None:  # None with --use-checkpoint-args: the ranges are resolved at model build
+        cfg = cfg.for_model(args.num_layers)
     check_switch_before_end(cfg, getattr(args, "train_iters", None))
     check_backend_runs_here(cfg.backend)
-    if getattr(args, "tp_comm_overlap", False):
+    for flag, given, why in _conflicts(args):
+        if given:
+            raise TacoConfigError(f"{_taco_flag(args)} with {flag}: {why}; drop one")
+    if args.tensor_model_parallel_size == 1:
         raise TacoConfigError(
-            f"--taco-mode {args.taco_mode} with --tp-comm-overlap: Transformer Engine's "
-            "userbuffers send TP traffic around the collectives TACO compresses; drop one"
+            f"{_taco_flag(args)} needs --tensor-model-parallel-size > 1: at TP=1 there is no tensor-parallel "
+            "traffic to compress"
         )
     return cfg
 
@@ -119,6 +161,13 @@ def _patch_parse_args() -> None:
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
         with _one_line_parse_errors():
             args = original_parse(_with_taco_args(extra_args_provider), ignore_unknown_args)
+        if not hasattr(args, "taco_mode"):  # --yaml-cfg: Megatron-LM returned the YAML file's settings instead
+            if any(arg.startswith(("--taco-", "--mapl-")) for arg in sys.argv):
+                _fail(
+                    "--taco-* / --mapl-* flags with --yaml-cfg: Megatron-LM then reads every setting from the YAML "
+                    "file and drops the command line's; drop --yaml-cfg"
+                )
+            return args
         try:
             _STATE["taco"] = check_megatron_args(args)
             mapl_hooks.configure(args)

@@ -42,11 +42,20 @@ except ImportError:
     )
 
 
-def _launch(tmp_path, *flags):
+def _launch(tmp_path, *flags, ranks=2):
+    """The launcher on the stand-in: 2 ranks under torchrun at TP=2 (TACO needs TP traffic), or 1 plain process
+    for flags refused while they are parsed (a failing torchrun adds its own report to stderr)."""
+    from benchmarks.megatron_lm_check import _free_port, torchrun
+
     out = tmp_path / "report.json"
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    launch = ["-m", "megatron_taco.launch", STANDIN, *MODEL_FLAGS, "--standin-out", str(out)]
+    if ranks == 2:
+        command = [*torchrun(_free_port(), *launch), "--tensor-model-parallel-size", "2"]
+    else:
+        command = [sys.executable, *launch]
     proc = subprocess.run(
-        [sys.executable, "-m", "megatron_taco.launch", STANDIN, *MODEL_FLAGS, "--standin-out", str(out), *flags],
+        [*command, *flags],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -75,7 +84,7 @@ def test_launcher_resolves_last_to_the_models_last_layer(tmp_path):
     assert [layer["fc2_fwd_format"] for layer in report["layers"]] == ["e4m3", "int4", "e4m3"]
     # the start-up line names which layers run which mode, not only the flags' default
     assert "fc2 1-3; modes: fp8-ash 1,3 | int4-ash (backward fp8-ash) 2; codec" in proc.stdout
-    proc, _ = _launch(tmp_path, "--taco-mode", "fp8", "--taco-layers", "4-last")
+    proc, _ = _launch(tmp_path, "--taco-mode", "fp8", "--taco-layers", "4-last", ranks=1)
     assert proc.returncode == 2 and "--taco-layers: layer range 4-last is empty in a model of 3 layers" in proc.stderr
 
 
@@ -94,7 +103,7 @@ def test_launcher_switches_settings_after_the_iteration(tmp_path):
     assert (
         "megatron_taco: TACO after iteration 5 (pipeline stage 0): qkv 1-3, proj 1-3, fc1 1-3, fc2 1-3" in proc.stdout
     )
-    proc, _ = _launch(tmp_path, *flags, "--taco-switch", "10:mode=fp8-ash", "--train-iters", "10")
+    proc, _ = _launch(tmp_path, *flags, "--taco-switch", "10:mode=fp8-ash", "--train-iters", "10", ranks=1)
     assert proc.returncode == 2 and "--taco-switch: iteration 10 is not before the run's last (--train-iters 10)" in (
         proc.stderr
     )
@@ -119,14 +128,34 @@ def test_launcher_without_taco_flags_keeps_stock_behaviour(tmp_path):
         (["--mapl-anchor-rank", "8"], "--mapl-anchor-rank given without --mapl-ratio"),
         (["--no-such-flag"], "unrecognized arguments: --no-such-flag (see pretrain_standin.py --help)"),
         (["--num-layers", "two"], "argument --num-layers: invalid int value: 'two' (see pretrain_standin.py --help)"),
+        (["--taco-mode", "int8"], "--taco-mode int8 needs --tensor-model-parallel-size > 1"),
+        (["--taco-override", "1:mode=int8", "--tp-comm-overlap"], "--taco-override with --tp-comm-overlap"),
+        (["--taco-mode", "int8", "--cuda-graph-impl", "local"], "--taco-mode int8 with CUDA graphs (--cuda-graph-impl"),
+        (["--taco-mode", "int8", "--enable-cuda-graph"], "--taco-mode int8 with CUDA graphs (--cuda-graph-impl"),
+        (["--taco-mode", "int8", "--symmetric-ar-type", "two_shot"], "--taco-mode int8 with --symmetric-ar-type"),
+        (
+            ["--taco-mode", "int8", "--fp8-format", "hybrid", "--fp8-recipe", "custom"],
+            "--taco-mode int8 with --fp8-recipe custom",
+        ),
     ],
 )
 def test_launcher_rejects_bad_flags_at_start_up(tmp_path, flags, message):
     """One line, exit code 2: no usage block, no traceback."""
-    proc, report = _launch(tmp_path, *flags)
+    proc, report = _launch(tmp_path, *flags, ranks=1)
     assert proc.returncode == 2 and report is None
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"error: {message}"), proc.stderr[-2000:]
+
+
+def test_launcher_refuses_taco_flags_that_yaml_cfg_would_drop(tmp_path):
+    """--yaml-cfg makes Megatron-LM read every setting from the YAML file: --taco-* flags beside it would be lost."""
+    config = tmp_path / "run.yaml"
+    config.write_text("num_layers: 2\ndisable_msc_deprecated: false\nenable_msc: false\n")  # what parse_args reads
+    proc, report = _launch(tmp_path, "--yaml-cfg", str(config), "--taco-mode", "int8", ranks=1)
+    assert proc.returncode == 2 and report is None
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: --taco-* / --mapl-* flags with --yaml-cfg"), (
+        proc.stderr[-2000:]
+    )
 
 
 def test_launcher_needs_a_script():

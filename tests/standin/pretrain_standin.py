@@ -8,6 +8,7 @@ it got (the parsed TACO flags, the attached settings, the norms) as JSON.
 """
 
 import json
+import os
 import socket
 from typing import Optional
 
@@ -38,12 +39,15 @@ def _forward_format(linear) -> Optional[str]:
 
 def main():
     args = parse_args(extra_args_provider=extra_args)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+    if "RANK" in os.environ:  # under torchrun, as Megatron-LM runs
+        dist.init_process_group("gloo")
+    else:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
     enable_cpu_runtime()
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, 1)
     model_parallel_cuda_manual_seed(1)
     args.params_dtype = args.params_dtype if hasattr(args, "params_dtype") else None
     config = core_transformer_config_from_args(args)
@@ -69,7 +73,7 @@ def main():
     ):  # forward passes as Megatron-LM's train() makes them: args.curr_iteration set first
         set_args(args)  # initialize_megatron's global args, which megatron.training.get_args returns
         switch_iteration = int(args.taco_switch.split(":")[0])
-        tokens = torch.randint(0, 128, (1, args.seq_length))
+        tokens = torch.randint(0, 128, (1, args.seq_length), generator=torch.Generator().manual_seed(0))  # every rank
         positions = torch.arange(args.seq_length)[None]
         report["fc2_fwd_format_at"] = {}
         for iteration in (0, switch_iteration - 1, switch_iteration):
@@ -78,8 +82,9 @@ def main():
             report["fc2_fwd_format_at"][iteration] = [
                 _forward_format(layer.mlp.linear_fc2) for layer in model.decoder.layers
             ]
-    with open(args.standin_out, "w") as f:
-        json.dump(report, f)
+    if dist.get_rank() == 0:
+        with open(args.standin_out, "w") as f:
+            json.dump(report, f)
     dist.destroy_process_group()
 
 
