@@ -249,3 +249,18 @@ def test_every_megatron_lm_check_row_has_settings_the_flags_accept():
         "int4-ash",
         "fp8-ash",
     ]
+
+
+def test_layer_ranges_wait_for_the_model_when_the_checkpoint_gives_the_layers():
+    """--use-checkpoint-args without --num-layers: the ranges are resolved when the model is built, not at parsing."""
+    import argparse
+
+    from megatron_taco.config.taco import add_taco_args
+    from megatron_taco.launch import check_megatron_args
+
+    args = add_taco_args(argparse.ArgumentParser()).parse_args(["--taco-mode", "int8", "--taco-layers", "2-last"])
+    args.num_layers, args.tensor_model_parallel_size, args.train_iters = None, 2, 100
+    assert check_megatron_args(args).enabled
+    args.num_layers = 1
+    with pytest.raises(ValueError, match="--taco-layers: layer range 2-last is empty in a model of 1 layers"):
+        check_megatron_args(args)
