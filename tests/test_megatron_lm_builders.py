@@ -116,10 +116,14 @@ def test_mode_none_builds_megatron_lm_model_unchanged():
     assert report["norms_sp"]
 
 
-def _moe_start_up_line(taco: TacoConfig = TacoConfig(default=LinearSettings(mode="fp8-ash"), min_bytes=0)) -> str:
+def _moe_start_up_line(
+    taco: TacoConfig = TacoConfig(default=LinearSettings(mode="fp8-ash"), min_bytes=0), mtp: bool = False
+) -> str:
+    """The start-up line of a TP=1 GPT with 2 MoE experts per layer (``mtp``: dense, with one multi-token
+    prediction layer instead)."""
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_mtp_block_spec
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_taco.megatron.attach import attach_taco
@@ -137,13 +141,15 @@ def _moe_start_up_line(taco: TacoConfig = TacoConfig(default=LinearSettings(mode
         pipeline_parallel=1,
         sequence_parallel=False,
         params_dtype=torch.float32,
-        extra={**LOCAL_SPEC_CONFIG, **cpu_config_overrides(), **moe},
+        extra={**LOCAL_SPEC_CONFIG, **cpu_config_overrides(), **({"mtp_num_layers": 1} if mtp else moe)},
     )
+    spec = get_gpt_layer_local_spec(None if mtp else 2, False, False, False, None)
     model = GPTModel(
         config,
-        get_gpt_layer_local_spec(2, False, False, False, None),
+        spec,
         vocab_size=128,
         max_sequence_length=TINY_GPT.seq_length,
+        mtp_block_spec=get_gpt_mtp_block_spec(config, spec, use_transformer_engine=False) if mtp else None,
     )
     return attach_taco([model], taco).describe()
 
@@ -163,3 +169,11 @@ def test_the_start_up_line_names_the_modes_of_the_layers_that_compress():
     config = TacoConfig(default=LinearSettings(mode="none"), overrides=overrides, min_bytes=0)
     line = run_distributed(_moe_start_up_line, 1, config, timeout=120)[0]
     assert line.startswith("qkv 2-3, proj 2-3, fc1 -, fc2 -; modes: int4-ash (backward fp8-ash) 2-3; runs stock")
+
+
+def test_multi_token_prediction_layers_run_stock_and_the_start_up_line_says_so():
+    """--mtp-num-layers builds transformer layers outside the decoder: TACO leaves them stock and names them."""
+    line = run_distributed(_moe_start_up_line, 1, mtp=True, timeout=120)[0]
+    assert line == (
+        "qkv 1-4, proj 1-4, fc1 1-4, fc2 1-4; runs stock: the multi-token prediction block (1 layer, --mtp-num-layers)"
+    )

@@ -81,7 +81,7 @@ def _uncovered(layer: torch.nn.Module) -> Dict[str, str]:
         parts["attention"] = f"attention ({kind})"
     if mlp is not None and hasattr(mlp, "experts"):
         parts["mlp"] = "mlp (MoE experts)"
-    elif mlp is not None and type(mlp).__name__ == "TEFusedMLP":
+    elif mlp is not None and type(mlp).__name__.startswith("TEFusedMLP"):  # and TEFusedMLPWithGroupedLinear
         parts["mlp"] = "mlp (TE fused-ops MLP)"
     return parts
 
@@ -125,6 +125,10 @@ def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> 
 
     for chunk in model_chunks:
         gpt = unwrap(chunk)
+        if getattr(gpt, "mtp", None) is not None:  # --mtp-num-layers: its layers' TP traffic goes stock
+            count = len(gpt.mtp.layers)
+            stock_blocks = f"the multi-token prediction block ({count} layer{'s' * (count != 1)}, --mtp-num-layers)"
+            stock.setdefault(stock_blocks, [])
         resolved = config.for_model(gpt.config.num_layers)
         for layer in gpt.decoder.layers:
             number = layer.layer_number
@@ -155,7 +159,9 @@ def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> 
                 compress_te_linear(module, TeCompression(column, row) if column or row else None)
             if any(number in numbers for numbers in compressed.values()):  # a layer some linear of compresses
                 modes.setdefault(settings.describe_modes(), []).append(number)
-    stock_parts = [f"layers {format_ranges(sorted(numbers))} {part}" for part, numbers in stock.items()]
+    stock_parts = [
+        f"layers {format_ranges(sorted(numbers))} {part}" if numbers else part for part, numbers in stock.items()
+    ]
     modes = {mode: sorted(numbers) for mode, numbers in modes.items()}
     return Attached(compressed, stock_parts, modes, config.default.describe_modes())
 
