@@ -327,12 +327,13 @@ def log_telemetry(iteration: int, writer=None) -> List[str]:
     if cfg is None or not cfg.enabled or not cfg.log_interval or iteration % cfg.log_interval:
         return []
     writer = _tensorboard_writer() if writer is None else writer
-    lines = TELEMETRY.format_lines()
+    records = TELEMETRY.pipeline_records()  # rank 0 prints every stage's layers
+    lines = TELEMETRY.format_lines(records)
     if _rank0():
         for line in lines:
             print(line, flush=True)
     if writer is not None:
-        TELEMETRY.write_tensorboard(writer, iteration)
+        TELEMETRY.write_tensorboard(writer, iteration, records)
     TELEMETRY.reset()
     return lines
 

@@ -7,6 +7,9 @@ import subprocess
 import sys
 
 import pytest
+import torch
+
+from megatron_taco.testing.distributed import run_distributed
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STANDIN = os.path.join(ROOT, "tests", "standin", "pretrain_standin.py")
@@ -205,6 +208,32 @@ def test_telemetry_goes_to_the_log_and_tensorboard_at_the_interval():
         assert not TELEMETRY.records, "stats restart after each report"
     finally:
         launch._STATE["taco"] = None
+
+
+def _two_stage_telemetry():
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_taco import launch
+    from megatron_taco.codec import TacoCodec
+    from megatron_taco.config.taco import LinearSettings, TacoConfig
+    from megatron_taco.megatron.telemetry import TELEMETRY
+
+    parallel_state.initialize_model_parallel(1, 2)  # PP=2: rank 0 holds layers 1-4, rank 1 layers 5-8
+    launch._STATE["taco"] = TacoConfig(default=LinearSettings(mode="fp8-ash"), log_interval=5)
+    TELEMETRY.reset()
+    layer = 1 + 4 * dist.get_rank()
+    TELEMETRY.record((f"layer {layer} fc1", "all_gather", "fwd"), torch.randn(64, 128), TacoCodec(), True)
+    writer = _ScalarRecorder()
+    return launch.log_telemetry(5, writer), sorted({tag for tag, _, _ in writer.scalars})
+
+
+def test_telemetry_of_every_pipeline_stage_reaches_the_log():
+    """Rank 0 prints the layers of the later stages too (it printed its own stage's alone)."""
+    lines, tags = run_distributed(_two_stage_telemetry, 2, timeout=120)[0]
+    assert [line.split(":")[0] for line in lines] == ["taco layer 1", "taco layer 5", "taco total"], lines
+    assert "2 messages of configured linears" in lines[-1]
+    assert "taco/layer_5_fc1/all_gather_fwd/payload_MiB" in tags
 
 
 def test_launcher_runs_the_scripts_own_checkout_and_says_which(tmp_path):

@@ -114,15 +114,37 @@ class TacoTelemetry:
             total.add(rec)
         return total
 
-    def totals(self) -> Tuple[int, int]:
-        payload = sum(r.payload_bytes for r in self.records.values())
-        wire = sum(r.wire_bytes for r in self.records.values())
+    def pipeline_records(self) -> Dict[Key, TrafficRecord]:
+        """This interval's records of every pipeline stage at this rank's TP / DP position, so that one rank's lines
+        cover every layer (an object all-gather over megatron-core's pipeline group: every rank calls it)."""
+        from megatron.core import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            return dict(self.records)
+        group = parallel_state.get_pipeline_model_parallel_group()
+        stages = dist.get_world_size(group)
+        if stages == 1:
+            return dict(self.records)
+        gathered: List[Optional[Dict[Key, TrafficRecord]]] = [None] * stages
+        dist.all_gather_object(gathered, dict(self.records), group=group)
+        merged: Dict[Key, TrafficRecord] = collections.defaultdict(TrafficRecord)
+        for records in gathered:
+            for key, rec in records.items():
+                merged[key].add(rec)
+        return dict(merged)
+
+    def totals(self, records: Optional[Dict[Key, TrafficRecord]] = None) -> Tuple[int, int]:
+        records = self.records if records is None else records
+        payload = sum(r.payload_bytes for r in records.values())
+        wire = sum(r.wire_bytes for r in records.values())
         return payload, wire
 
-    def format_lines(self) -> List[str]:
-        """One line per layer (its linears and collectives together) plus a total, for the training log."""
+    def format_lines(self, records: Optional[Dict[Key, TrafficRecord]] = None) -> List[str]:
+        """One line per layer (its linears and collectives together) plus a total, for the training log
+        (``records``: e.g. :meth:`pipeline_records`; this rank's own by default)."""
+        records = self.records if records is None else records
         by_layer: Dict[str, TrafficRecord] = collections.defaultdict(TrafficRecord)
-        for (name, _, _), rec in self.records.items():
+        for (name, _, _), rec in records.items():
             layer = name.rsplit(" ", 1)[0]
             by_layer[layer].add(rec)
         lines = []
@@ -134,11 +156,11 @@ class TacoTelemetry:
                 f"{rec.payload_bytes / 2**20:.2f} MiB -> {rec.wire_bytes / 2**20:.2f} MiB "
                 f"({rec.payload_bytes / rec.wire_bytes if rec.wire_bytes else 1:.2f}x), sampled rel.err {err}{by_te}"
             )
-        payload, wire = self.totals()
-        by_te = sum(r.te_calls for r in self.records.values())
+        payload, wire = self.totals(records)
+        by_te = sum(r.te_calls for r in records.values())
         if payload or by_te:
-            calls = sum(r.calls for r in self.records.values())
-            uncompressed = calls - sum(r.compressed_calls for r in self.records.values())
+            calls = sum(r.calls for r in records.values())
+            uncompressed = calls - sum(r.compressed_calls for r in records.values())
             lines.append(
                 f"taco total: {payload / 2**20:.2f} MiB -> {wire / 2**20:.2f} MiB ({payload / wire if wire else 1:.2f}x); "
                 f"{uncompressed} of {calls} messages of configured linears went uncompressed (below --taco-min-bytes)"
@@ -151,9 +173,9 @@ class TacoTelemetry:
             )
         return lines
 
-    def write_tensorboard(self, writer, step: int) -> None:
+    def write_tensorboard(self, writer, step: int, records: Optional[Dict[Key, TrafficRecord]] = None) -> None:
         """Scalars per linear and collective (writer: a torch.utils.tensorboard SummaryWriter)."""
-        for (name, collective, direction), rec in self.records.items():
+        for (name, collective, direction), rec in (self.records if records is None else records).items():
             tag = f"taco/{name.replace(' ', '_')}/{collective}_{direction}"
             writer.add_scalar(f"{tag}/payload_MiB", rec.payload_bytes / 2**20, step)
             writer.add_scalar(f"{tag}/wire_MiB", rec.wire_bytes / 2**20, step)

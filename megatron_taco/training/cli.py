@@ -656,13 +656,14 @@ def _train(args: argparse.Namespace) -> List[float]:
 
 
 def _log_telemetry(args: argparse.Namespace, cfg: TrainConfig, trainer: Trainer, writer, step: int, steps: int) -> None:
-    """TACO's lines (this rank's linears) and MAPL's (every boundary, all ranks: a collective) of the last
+    """TACO's lines (the linears of every pipeline stage at this rank's TP / DP position) and MAPL's (every boundary, all ranks: a collective) of the last
     ``steps`` steps, to the log and TensorBoard; then a new interval starts."""
     if args.taco.enabled:
-        for line in TELEMETRY.format_lines():
+        records = TELEMETRY.pipeline_records()  # every stage's layers
+        for line in TELEMETRY.format_lines(records):
             _log(line)
         if writer is not None:
-            TELEMETRY.write_tensorboard(writer, step)
+            TELEMETRY.write_tensorboard(writer, step, records)
         TELEMETRY.reset()
     if args.mapl is not None:
         traffic = MAPL_TELEMETRY.summed(len(cfg.mapl_widths), trainer.device)
