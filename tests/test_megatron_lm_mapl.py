@@ -224,14 +224,11 @@ def test_mapl_widths_are_checked_against_megatron_lms_interleaved_chunks_at_pars
     from megatron_taco.config.mapl import add_mapl_args
     from megatron_taco.mapl import megatron_lm
 
-    def configure(*flags, overlap=False):
+    def configure(*flags, overlap=False, **given):
         args = add_mapl_args(argparse.ArgumentParser()).parse_args(list(flags))
         megatron = dict(hidden_size=64, num_layers=8, pipeline_model_parallel_size=2, position_embedding_type="rope")
-        return megatron_lm.configure(
-            argparse.Namespace(
-                **vars(args), **megatron, num_layers_per_virtual_pipeline_stage=1, overlap_p2p_comm=overlap
-            )
-        )
+        megatron.update({"num_layers_per_virtual_pipeline_stage": 1, "overlap_p2p_comm": overlap, **given})
+        return megatron_lm.configure(argparse.Namespace(**vars(args), **megatron))
 
     try:
         assert configure("--mapl-ranks", "8,8,8,8,8,8,8").ranks == (8,) * 7  # 2 stages x 4 chunks: 7 boundaries
@@ -241,5 +238,15 @@ def test_mapl_widths_are_checked_against_megatron_lms_interleaved_chunks_at_pars
         assert configure("--mapl-ratio", "8", "--mapl-wire", "fp8").wire_rank(64) == 16
         with pytest.raises(MaplConfigError, match="add --no-overlap-p2p-communication"):
             configure("--mapl-ratio", "8", "--mapl-wire", "fp8", overlap=True)
+        # the embedding and the loss counted as layers: (8 + 2) / 2 stages / 1 layer = 5 chunks, 9 boundaries
+        split = dict(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
+        assert configure("--mapl-ranks", ",".join(["8"] * 9), **split).ranks == (8,) * 9
+        # a layout of 6 stages on 2 ranks: 3 chunks each, 5 boundaries (the FP8 wire's overlap check applies)
+        layout = dict(num_layers_per_virtual_pipeline_stage=None, pipeline_model_parallel_layout="Et|tt|tt|tt|tt|tL")
+        assert configure("--mapl-ranks", "8,8,8,8,8", **layout).ranks == (8,) * 5
+        with pytest.raises(MaplConfigError, match="add --no-overlap-p2p-communication"):
+            configure("--mapl-ratio", "8", "--mapl-wire", "fp8", overlap=True, **layout)
+        with pytest.raises(MaplConfigError, match="--mapl-\\* with --use-tp-pp-dp-mapping"):
+            configure("--mapl-ratio", "8", use_tp_pp_dp_mapping=True)
     finally:
         megatron_lm._STATE["cfg"] = None

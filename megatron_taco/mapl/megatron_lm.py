@@ -54,6 +54,11 @@ def configure(args: argparse.Namespace) -> Optional[MaplConfig]:
             f"--mapl-* with --context-parallel-size {args.context_parallel_size}: MAPL's anchors "
             "need every token of the sequence on the stage; run without context parallelism"
         )
+    if getattr(args, "use_tp_pp_dp_mapping", False):
+        raise MaplConfigError(
+            "--mapl-* with --use-tp-pp-dp-mapping: MAPL pairs each stage with its neighbours in Megatron-LM's default "
+            "rank order; drop --use-tp-pp-dp-mapping"
+        )
     if getattr(args, "mtp_num_layers", None):
         raise MaplConfigError(
             "--mapl-* with --mtp-num-layers: multi-token prediction layers read the last "
@@ -63,15 +68,28 @@ def configure(args: argparse.Namespace) -> Optional[MaplConfig]:
 
 
 def _model_chunks(args: argparse.Namespace) -> Optional[int]:
-    """Chunks per pipeline stage as Megatron-LM's ``validate_args`` will set them (it runs after this check)."""
+    """Chunks per pipeline stage as Megatron-LM's ``validate_args`` will set them (it runs after this check), from
+    ``--pipeline-model-parallel-layout``, ``--num-virtual-stages-per-pipeline-rank`` or
+    ``--num-layers-per-virtual-pipeline-stage`` (the embedding and the loss counted as layers where
+    ``--account-for-*-in-pipeline-split`` says so); None for one chunk."""
+    stages = args.pipeline_model_parallel_size
+    per_chunk = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
     if getattr(args, "virtual_pipeline_model_parallel_size", None):
-        return args.virtual_pipeline_model_parallel_size
-    if getattr(args, "num_virtual_stages_per_pipeline_rank", None):
-        return args.num_virtual_stages_per_pipeline_rank
-    per_stage = getattr(args, "num_layers_per_virtual_pipeline_stage", None)
-    if per_stage:
-        return args.num_layers // args.pipeline_model_parallel_size // per_stage
-    return None
+        chunks = args.virtual_pipeline_model_parallel_size
+    elif getattr(args, "pipeline_model_parallel_layout", None):
+        from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
+
+        chunks = PipelineParallelLayerLayout.get_num_stages_from_str(args.pipeline_model_parallel_layout) // stages
+    elif getattr(args, "num_virtual_stages_per_pipeline_rank", None):
+        chunks = args.num_virtual_stages_per_pipeline_rank
+    elif per_chunk:
+        layers = args.num_layers + sum(
+            bool(getattr(args, f"account_for_{part}_in_pipeline_split", False)) for part in ("embedding", "loss")
+        )
+        chunks = layers // stages // per_chunk
+    else:
+        return None
+    return chunks if chunks > 1 else None
 
 
 def attach(model: Any) -> Optional[str]:
