@@ -112,8 +112,8 @@ def _conflicts(args: argparse.Namespace) -> List[tuple]:
             "Transformer Engine's userbuffers send TP traffic around the collectives TACO compresses",
         ),
         (
-            "--symmetric-ar-type",
-            getattr(args, "symmetric_ar_type", None) is not None,
+            "--symmetric-ar-type",  # without SP: with it, TE reduce-scatters the outputs through TACO
+            getattr(args, "symmetric_ar_type", None) is not None and not getattr(args, "sequence_parallel", False),
             "Transformer Engine's symmetric-memory all-reduce sends the proj / fc2 outputs around TACO's collectives",
         ),
         (
@@ -122,8 +122,9 @@ def _conflicts(args: argparse.Namespace) -> List[tuple]:
             "graph replays skip TACO's host-side steps (settings handshake, telemetry, --taco-switch)",
         ),
         (
-            "--fp8-recipe custom",
-            getattr(args, "fp8", None) and getattr(args, "fp8_recipe", None) == "custom",
+            "--fp8-recipe / --fp4-recipe custom",
+            (getattr(args, "fp8", None) and getattr(args, "fp8_recipe", None) == "custom")
+            or (getattr(args, "fp4", None) and getattr(args, "fp4_recipe", None) == "custom"),
             "Transformer Engine all-gathers a custom recipe's inputs in high precision, past TACO",
         ),
     ]
@@ -141,12 +142,17 @@ def check_megatron_args(args: argparse.Namespace):
     for flag, given, why in _conflicts(args):
         if given:
             raise TacoConfigError(f"{_taco_flag(args)} with {flag}: {why}; drop one")
-    if args.tensor_model_parallel_size == 1:
-        raise TacoConfigError(
-            f"{_taco_flag(args)} needs --tensor-model-parallel-size > 1: at TP=1 there is no tensor-parallel "
-            "traffic to compress"
-        )
+    from_checkpoint = getattr(args, "use_checkpoint_args", False) and getattr(
+        args, "use_mp_args_from_checkpoint_args", False
+    )  # the TP size comes later, from the checkpoint: the model build checks it
+    if args.tensor_model_parallel_size == 1 and not from_checkpoint:
+        raise TacoConfigError(needs_tensor_parallelism(_taco_flag(args)))
     return cfg
+
+
+def needs_tensor_parallelism(flag: str) -> str:
+    """The refusal of TACO at TP=1 (``flag``: what turned TACO on)."""
+    return f"{flag} needs --tensor-model-parallel-size > 1: at TP=1 there is no tensor-parallel traffic to compress"
 
 
 def _patch_parse_args() -> None:
@@ -161,7 +167,7 @@ def _patch_parse_args() -> None:
     def parse_args(extra_args_provider=None, ignore_unknown_args=False):
         with _one_line_parse_errors():
             args = original_parse(_with_taco_args(extra_args_provider), ignore_unknown_args)
-        if not hasattr(args, "taco_mode"):  # --yaml-cfg: Megatron-LM returned the YAML file's settings instead
+        if getattr(args, "yaml_cfg", None) is not None:  # Megatron-LM returned the YAML file's settings instead
             if any(arg.startswith(("--taco-", "--mapl-")) for arg in sys.argv):
                 _fail(
                     "--taco-* / --mapl-* flags with --yaml-cfg: Megatron-LM then reads every setting from the YAML "
@@ -223,6 +229,8 @@ def _patch_model_build() -> None:
         stage = f"pipeline stage {parallel_state.get_pipeline_model_parallel_rank()}"
         try:
             if cfg is not None and cfg.enabled:
+                if parallel_state.get_tensor_model_parallel_world_size() == 1:  # TP from the checkpoint's args
+                    raise ValueError(needs_tensor_parallelism("TACO"))
                 attached = attach_taco([self], cfg)
                 impl = getattr(self.config, "transformer_impl", "local")
                 if first_of_stage:

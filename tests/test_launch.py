@@ -138,7 +138,15 @@ def test_launcher_without_taco_flags_keeps_stock_behaviour(tmp_path):
         (["--taco-mode", "int8", "--symmetric-ar-type", "two_shot"], "--taco-mode int8 with --symmetric-ar-type"),
         (
             ["--taco-mode", "int8", "--fp8-format", "hybrid", "--fp8-recipe", "custom"],
-            "--taco-mode int8 with --fp8-recipe custom",
+            "--taco-mode int8 with --fp8-recipe / --fp4-recipe custom",
+        ),
+        (
+            ["--taco-mode", "int8", "--fp4-format", "e2m1", "--fp4-recipe", "custom"],
+            "--taco-mode int8 with --fp8-recipe / --fp4-recipe custom",
+        ),
+        (  # the TP size from the checkpoint: refused when the model is built
+            ["--taco-mode", "int8", "--use-checkpoint-args", "--use-mp-args-from-checkpoint-args"],
+            "TACO needs --tensor-model-parallel-size > 1",
         ),
     ],
 )
@@ -292,4 +300,27 @@ def test_layer_ranges_wait_for_the_model_when_the_checkpoint_gives_the_layers():
     assert check_megatron_args(args).enabled
     args.num_layers = 1
     with pytest.raises(ValueError, match="--taco-layers: layer range 2-last is empty in a model of 1 layers"):
+        check_megatron_args(args)
+
+
+def test_flags_are_refused_only_where_they_bypass_taco():
+    """--symmetric-ar-type replaces the TP all-reduce, which SP does not use; with --use-mp-args-from-checkpoint-args
+    the TP size is the checkpoint's, checked when the model is built."""
+    import argparse
+
+    from megatron_taco.config.taco import add_taco_args
+    from megatron_taco.launch import check_megatron_args
+
+    args = add_taco_args(argparse.ArgumentParser()).parse_args(["--taco-mode", "int8"])
+    args.num_layers, args.tensor_model_parallel_size, args.train_iters = 4, 2, 100
+    args.symmetric_ar_type, args.sequence_parallel = "two_shot", True
+    assert check_megatron_args(args).enabled
+    args.sequence_parallel = False
+    with pytest.raises(ValueError, match="--taco-mode int8 with --symmetric-ar-type"):
+        check_megatron_args(args)
+    args.symmetric_ar_type, args.tensor_model_parallel_size = None, 1
+    args.use_checkpoint_args, args.use_mp_args_from_checkpoint_args = True, True
+    assert check_megatron_args(args).enabled
+    args.use_mp_args_from_checkpoint_args = False
+    with pytest.raises(ValueError, match="--taco-mode int8 needs --tensor-model-parallel-size > 1"):
         check_megatron_args(args)

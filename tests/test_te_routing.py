@@ -84,7 +84,7 @@ def test_start_up_note_names_te_fp8_and_fp4_gathers_under_sequence_parallelism()
         )
 
     assert quantized_gathers_note(config(fp8="hybrid", sequence_parallel=True)).startswith(
-        "; under --fp8-format Transformer Engine sends the all-gathers itself, quantized"
+        "; under --fp8-format Transformer Engine sends the all-gathers of its FP8 layers itself, quantized"
     )
     assert quantized_gathers_note(config(fp4="e2m1", sequence_parallel=True)).startswith("; under --fp4-format")
     assert quantized_gathers_note(config(fp8="hybrid")) == ""  # no SP: TE all-reduces in bf16, TACO's

@@ -82,7 +82,7 @@ def _model_chunks(args: argparse.Namespace) -> Optional[int]:
         chunks = PipelineParallelLayerLayout.get_num_stages_from_str(args.pipeline_model_parallel_layout) // stages
     elif getattr(args, "num_virtual_stages_per_pipeline_rank", None):
         chunks = args.num_virtual_stages_per_pipeline_rank
-    elif per_chunk:
+    elif per_chunk and args.num_layers is not None:  # without --num-layers (checkpoint args) the model build counts
         layers = args.num_layers + sum(
             bool(getattr(args, f"account_for_{part}_in_pipeline_split", False)) for part in ("embedding", "loss")
         )

@@ -126,7 +126,7 @@ def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> 
     for chunk in model_chunks:
         gpt = unwrap(chunk)
         if getattr(gpt, "mtp", None) is not None:  # --mtp-num-layers: its layers' TP traffic goes stock
-            count = len(gpt.mtp.layers)
+            count = gpt.config.mtp_num_layers  # its layers (one module with --mtp-use-repeated-layer)
             stock_blocks = f"the multi-token prediction block ({count} layer{'s' * (count != 1)}, --mtp-num-layers)"
             stock.setdefault(stock_blocks, [])
         resolved = config.for_model(gpt.config.num_layers)

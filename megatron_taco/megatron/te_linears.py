@@ -181,6 +181,6 @@ def quantized_gathers_note(config: Any) -> str:
     if flag is None or not getattr(config, "sequence_parallel", False):
         return ""
     return (
-        f"; under {flag} Transformer Engine sends the all-gathers itself, quantized (the telemetry counts them "
-        "apart): TACO compresses the reduce-scatters"
+        f"; under {flag} Transformer Engine sends the all-gathers of its {flag[2:5].upper()} layers itself, quantized "
+        "(the telemetry counts them apart): TACO compresses the reduce-scatters"
     )
