@@ -237,6 +237,21 @@ def test_mapl_pp2_lines_and_summary_count_the_boundary_traffic():
     assert _close(synced, 4 * (2 * wire + SYNC))
 
 
+def test_a_configs_taco_mode_at_tp1_is_off_and_the_log_says_so():
+    """A PP-only run of a config whose TACO mode is on: TP=1 has no tensor-parallel traffic. The log says TACO is
+    off (it claimed the mode on every layer and then counted 0 of 0 messages)."""
+    argv = [arg for arg in MAPL_PP2 if arg not in ("--taco-mode", "none")] + ["--train-iters", "1"]
+    out, _, losses, _ = run_distributed(_trainer, 2, argv, timeout=300)[0]
+    assert len(losses) == 1
+    assert re.search(
+        r"^TACO off: --tensor-model-parallel-size 1 has no tensor-parallel traffic, so --taco-mode "
+        rf"{yaml.safe_load(open(TINY))['taco']['mode']} ",
+        out,
+        re.M,
+    ), out[:3000]
+    assert "on this rank's layers" not in out and "run summary: TACO" not in out
+
+
 def test_mapl_vq_summary_of_a_resumed_run_counts_the_indices_sent(tmp_path):
     """Residual VQ, 2 levels of 32 codes: 2 one-byte indices per token, padded to one fp32 element, go forward;
     the r-wide gradient goes back; the code words streamed to the receiver add to the replica sync."""

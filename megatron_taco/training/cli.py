@@ -37,6 +37,7 @@ from megatron_taco.mapl.wire import describe_compression, wire_codec
 from megatron_taco.config.errors import ConfigError, TrainConfigError
 from megatron_taco.codec.taco import describe_backend
 from megatron_taco.config.taco import (
+    TacoConfig,
     TacoConfigError,
     add_taco_args,
     check_backend_runs_here,
@@ -269,6 +270,13 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         args.mapl = mapl_config_from_args(args)
     except ConfigError as exc:  # the --taco-* and --mapl-* families
         raise StartupError(str(exc)) from None
+    args.taco_unused = None  # at TP=1 (e.g. a config's TACO mode in a PP-only run) TACO is off, and the log says so
+    if args.taco.enabled and args.tensor_model_parallel_size == 1:
+        args.taco_unused = (
+            f"TACO off: --tensor-model-parallel-size 1 has no tensor-parallel traffic, so --taco-mode "
+            f"{args.taco.default.describe_modes()} (and its overrides) compress nothing here"
+        )
+        args.taco = TacoConfig()
     if not model:
         raise StartupError("--config with a model section is required")
     try:
@@ -558,6 +566,8 @@ def _train(args: argparse.Namespace) -> List[float]:
         f"{cfg.num_microbatches} micro-batches of {cfg.micro_batch_size} x {cfg.shape.seq_length} tokens; "
         f"{cfg.lr_schedule_summary}"
     )
+    if args.taco_unused:
+        _log(args.taco_unused)
     if args.taco.enabled:
         _log(
             f"TACO {args.taco.default.describe_modes()} on this rank's layers: {trainer.taco_attached.describe()}"
