@@ -192,3 +192,24 @@ def test_statistics_summed_in_token_chunks_match_a_float64_reference(monkeypatch
     reference = torch.zeros(32, 10, dtype=torch.float64).index_add_(0, index, values.double())
     scale = torch.zeros(32, 10, dtype=torch.float64).index_add_(0, index, values.double().abs())
     assert torch.all((vq._per_code_sums(index, values).double() - reference).abs() <= 1e-5 * (scale + 1e-12))
+
+
+def _vq_with_a_skipped_step():
+    cfg = TrainConfig(TINY_GPT, tensor_parallel=1, pipeline_parallel=2, lr=3e-3, mapl=MaplConfig(ratio=4, vq_levels=2))
+    trainer = Trainer(cfg)
+    data = synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, cfg.micro_batch_size, seed=1)
+    trainer.train_step(data)
+    before = [b.vq.codebooks.clone() for b in trainer.mapl_boundaries]
+    for optimizer in trainer.optimizer.chained_optimizers:  # the step an fp16 overflow makes megatron-core skip
+        optimizer.prepare_grads = lambda: True
+    rows = trainer.train_step(data)["codebook_rows"]
+    after = [b.vq.codebooks.clone() for b in trainer.mapl_boundaries]
+    left = [float(b.vq.step_count.sum()) for b in trainer.mapl_boundaries]
+    trainer.close()
+    return before, after, rows, left
+
+
+def test_a_skipped_optimizer_step_skips_the_codebook_step_too():
+    """The codebooks learn from the steps the model learns from: a skipped step's statistics are dropped."""
+    for before, after, rows, left in run_distributed(_vq_with_a_skipped_step, 2, timeout=300):
+        assert all(torch.equal(a, b) for a, b in zip(before, after)) and rows == 0 and left == [0.0]

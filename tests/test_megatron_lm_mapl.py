@@ -138,9 +138,10 @@ def _megatron_lm_steps(mapl_flags, steps):
         tokens_seen.append(batch["tokens"] is not None)
         output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
 
-        def loss(output_tensor):
-            value = (output_tensor.float() * batch["loss_mask"]).sum() / batch["loss_mask"].sum()
-            return value, {"lm loss": value.detach()}
+        def loss(output_tensor):  # as pretrain_gpt.py's loss_func: the masked sum and its token count
+            total = (output_tensor.float() * batch["loss_mask"]).sum()
+            tokens = batch["loss_mask"].sum().to(torch.int)
+            return total, tokens, {"lm loss": (total / tokens).detach()}
 
         return output, loss
 
@@ -205,6 +206,20 @@ def test_the_fp8_wire_in_megatron_lm_sends_codec_messages_both_ways():
     assert receiver["losses"][-1] < receiver["losses"][0], receiver["losses"]
 
 
+def test_per_token_loss_scales_u_like_every_other_gradient():
+    """--calculate-per-token-loss: the loss is a sum and megatron-core divides the gradients by the batch's tokens
+    afterwards. With equal micro-batches that is the same training as the mean loss, U included (its gradient was
+    left 64x too large here, so --clip-grad shrank every update)."""
+    mean = run_distributed(_megatron_lm_steps, 2, ["--mapl-ratio", "8"], 2, timeout=240)
+    per_token = run_distributed(
+        _megatron_lm_steps, 2, ["--mapl-ratio", "8", "--calculate-per-token-loss"], 2, timeout=240
+    )
+    for a, b in zip(mean, per_token):
+        assert (a["u"][0] - b["u"][0]).abs().max() < 1e-6, (a["u"][0] - b["u"][0]).abs().max()
+        assert (a["anchors"][0] - b["anchors"][0]).abs().max() < 1e-6
+    assert mean[1]["losses"] == pytest.approx(per_token[1]["losses"], rel=1e-6)
+
+
 def test_mapl_at_full_width_trains_like_megatron_lm_without_it():
     """r = d loses nothing: the same losses as without MAPL (only the anchors' and U's rounding differs). Without
     clipping: U's gradient counts in the clipped norm, so with --clip-grad the coefficients differ."""
@@ -227,6 +242,7 @@ def test_mapl_widths_are_checked_against_megatron_lms_interleaved_chunks_at_pars
     def configure(*flags, overlap=False, **given):
         args = add_mapl_args(argparse.ArgumentParser()).parse_args(list(flags))
         megatron = dict(hidden_size=64, num_layers=8, pipeline_model_parallel_size=2, position_embedding_type="rope")
+        megatron.update(tensor_model_parallel_size=1, world_size=2)
         megatron.update({"num_layers_per_virtual_pipeline_stage": 1, "overlap_p2p_comm": overlap, **given})
         return megatron_lm.configure(argparse.Namespace(**vars(args), **megatron))
 
@@ -248,5 +264,12 @@ def test_mapl_widths_are_checked_against_megatron_lms_interleaved_chunks_at_pars
             configure("--mapl-ratio", "8", "--mapl-wire", "fp8", overlap=True, **layout)
         with pytest.raises(MaplConfigError, match="--mapl-\\* with --use-tp-pp-dp-mapping"):
             configure("--mapl-ratio", "8", use_tp_pp_dp_mapping=True)
+        # sharded gradients over data parallel: the pair's anchor tables would drift apart
+        dense = dict(num_layers_per_virtual_pipeline_stage=None)
+        assert configure("--mapl-ratio", "8", use_distributed_optimizer=True, world_size=2, **dense)  # DP=1
+        with pytest.raises(MaplConfigError, match="with --use-distributed-optimizer at data-parallel size 2"):
+            configure("--mapl-ratio", "8", use_distributed_optimizer=True, world_size=4, **dense)
+        # --use-checkpoint-args without --hidden-size: the widths are checked when the model is built
+        assert configure("--mapl-ratio", "8", hidden_size=None, **dense).ratio == 8
     finally:
         megatron_lm._STATE["cfg"] = None

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import inspect
 import sys
 from typing import Any, Callable, List, Optional
@@ -42,7 +43,8 @@ def configure(args: argparse.Namespace) -> Optional[MaplConfig]:
     _STATE["cfg"] = cfg
     if cfg is None:
         return None
-    cfg.wire_ranks(args.hidden_size, args.pipeline_model_parallel_size, _model_chunks(args))
+    if args.hidden_size is not None:  # None with --use-checkpoint-args: the model build checks the widths
+        cfg.wire_ranks(args.hidden_size, args.pipeline_model_parallel_size, _model_chunks(args))
     cfg.anchors_positions(args.position_embedding_type)
     if cfg.wire == "fp8" and _model_chunks(args) and getattr(args, "overlap_p2p_comm", False):
         raise MaplConfigError(  # the interleaved schedule's overlap hands on P2P buffers before they arrive
@@ -53,6 +55,20 @@ def configure(args: argparse.Namespace) -> Optional[MaplConfig]:
         raise MaplConfigError(
             f"--mapl-* with --context-parallel-size {args.context_parallel_size}: MAPL's anchors "
             "need every token of the sequence on the stage; run without context parallelism"
+        )
+    model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
+    world = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1"))
+    data_parallel = world // (model_parallel * getattr(args, "context_parallel_size", 1))
+    sharded = [
+        flag
+        for flag in ("use_distributed_optimizer", "use_megatron_fsdp", "use_torch_fsdp2")
+        if getattr(args, flag, False)
+    ]
+    if sharded and data_parallel > 1:
+        raise MaplConfigError(
+            f"--mapl-* with --{sharded[0].replace('_', '-')} at data-parallel size {data_parallel}: the sharded "
+            "gradients are DP-reduced only on each rank's own shard, and the two stages of a boundary shard the "
+            "anchors differently, so their tables would drift apart; drop it or run at data-parallel size 1"
         )
     if getattr(args, "use_tp_pp_dp_mapping", False):
         raise MaplConfigError(
@@ -178,8 +194,8 @@ def _patch_training() -> None:
     @functools.wraps(finalize)
     def finalize_model_grads(*args, **kwargs):
         result = finalize(*args, **kwargs)
-        if _STATE["sync"] is not None:
-            _STATE["sync"].finalize_grads()
+        if _STATE["sync"] is not None:  # num_tokens: --calculate-per-token-loss's count, summed over DP by now
+            _STATE["sync"].finalize_grads(kwargs.get("num_tokens", args[1] if len(args) > 1 else None))
         return result
 
     get_schedule = mlm_training.get_forward_backward_func

@@ -283,8 +283,12 @@ class MaplSync:
             self.senders[boundary.boundary] = int(max(both[0][-1], both[1][-1]))
 
     @torch.profiler.record_function(CODEC_RANGE)
-    def finalize_grads(self) -> None:
-        """Sum U and anchor gradients over TP (U only; anchors via SP tagging), DP and the boundary pair."""
+    def finalize_grads(self, num_tokens: Optional[torch.Tensor] = None) -> None:
+        """Sum U and anchor gradients over TP (U only; anchors via SP tagging), DP and the boundary pair.
+
+        ``num_tokens``: the global batch's token count under Megatron-LM's ``--calculate-per-token-loss`` (the loss
+        is a sum; megatron-core divides every other gradient by it): U's gradient is divided by it too, instead of
+        being averaged over DP."""
         tp_group = parallel_state.get_tensor_model_parallel_group()
         dp_group = parallel_state.get_data_parallel_group()
         for boundary in self.boundaries:
@@ -297,7 +301,10 @@ class MaplSync:
                 if self.sequence_parallel:
                     dist.all_reduce(grad, group=tp_group)
                 dist.all_reduce(grad, group=dp_group)
-                grad /= parallel_state.get_data_parallel_world_size()  # DP-averaged, like the other gradients
+                if num_tokens is None:
+                    grad /= parallel_state.get_data_parallel_world_size()  # DP-averaged, like the other gradients
+                else:
+                    grad /= num_tokens.to(grad.device).clamp(min=1)
                 dist.all_reduce(grad, group=pair)
                 MAPL_TELEMETRY.record_sync(boundary.boundary, grad)
             for param in (p for p in boundary.parameters() if getattr(p, "mapl_anchor", False)):
@@ -314,17 +321,23 @@ class MaplSync:
         self.codebook_rows = 0
 
         def codebooks(updated: bool) -> None:
-            self.codebook_rows = self.codebook_step()
+            self.codebook_rows = self.codebook_step(updated)
 
         step_projections_with(optimizer, self.optimizer, self.trainable, base_lr, after_step=codebooks)
 
     @torch.profiler.record_function(CODEC_RANGE)
-    def codebook_step(self) -> int:
+    def codebook_step(self, updated: bool = True) -> int:
         """VQ: senders fold this step's statistics into their EMA codebooks; changed rows stream to receivers.
+        ``updated=False`` (the optimizer skipped the step, e.g. an fp16 overflow): the statistics are dropped.
 
         Returns the code words this rank sent or received. Boundaries go in ascending order on every
         rank, so the pair broadcasts of neighbouring boundaries cannot deadlock.
         """
+        if not updated:
+            for boundary in self.boundaries:
+                if boundary.vq is not None:
+                    boundary.vq.clear_step_statistics()
+            return 0
         reduce_groups = (
             parallel_state.get_data_parallel_group(),
             parallel_state.get_tensor_model_parallel_group() if self.sequence_parallel else None,

@@ -168,8 +168,7 @@ class ResidualVQ(torch.nn.Module):
         self.ema_count.mul_(keep).add_(count.view_as(self.ema_count), alpha=1 - keep)
         self.ema_sum.mul_(keep).add_(total.view_as(self.ema_sum), alpha=1 - keep)
         self.ema_square.mul_(keep).add_(square.view_as(self.ema_square), alpha=1 - keep)
-        for buffer in (self.step_count, self.step_sum, self.step_square):
-            buffer.zero_()
+        self.clear_step_statistics()
         self.updates += 1
         live_mean = self.ema_sum / self.ema_count.clamp_min(1e-12).unsqueeze(-1)
         target = torch.where((self.ema_count > 0).unsqueeze(-1), live_mean, self.codebooks)
@@ -177,6 +176,12 @@ class ResidualVQ(torch.nn.Module):
         for level in range(self.levels):
             self._restart_dead_codes(level, target[level], gen)
         return target
+
+    @torch.no_grad()
+    def clear_step_statistics(self) -> None:
+        """Forget this step's statistics: folded into the EMA, or dropped with a step the optimizer skipped."""
+        for buffer in (self.step_count, self.step_sum, self.step_square):
+            buffer.zero_()
 
     def _restart_dead_codes(self, level: int, target: torch.Tensor, gen: torch.Generator) -> None:
         count = self.ema_count[level]
