@@ -131,7 +131,7 @@ MUTATIONS = [  # (what, file, text, replaced by, tests, -k) or file None: SCALE_
     (
         "MAPL gradient sums not run after finalize_model_grads",
         "megatron_taco/mapl/megatron_lm.py",
-        '            _STATE["sync"].finalize_grads()',
+        '            _STATE["sync"].finalize_grads(kwargs.get("num_tokens", args[1] if len(args) > 1 else None))',
         "            pass",
         "tests/test_megatron_lm_mapl.py",
         "",
