@@ -42,6 +42,7 @@ from megatron_taco.config.taco import (
     taco_config_from_args,
 )
 from megatron_taco.mapl import megatron_lm as mapl_hooks
+from megatron_taco.megatron.telemetry import TELEMETRY
 
 __all__ = ["check_megatron_args", "install_hooks", "log_telemetry", "use_checkout_of", "main"]
 
@@ -176,6 +177,7 @@ def _patch_parse_args() -> None:
             return args
         try:
             _STATE["taco"] = check_megatron_args(args)
+            TELEMETRY.error_sample_interval = _STATE["taco"].error_sample_interval  # --taco-error-sample-interval
             mapl_hooks.configure(args)
         except ConfigError as exc:  # --taco-* or --mapl-*
             _fail(str(exc))
@@ -329,8 +331,6 @@ def log_telemetry(iteration: int, writer=None) -> List[str]:
 
     ``writer`` defaults to Megatron-LM's TensorBoard writer (None when it has none). Returns the lines.
     """
-    from megatron_taco.megatron.telemetry import TELEMETRY
-
     cfg = _STATE["taco"]
     if cfg is None or not cfg.enabled or not cfg.log_interval or iteration % cfg.log_interval:
         return []

@@ -79,6 +79,13 @@ def test_launcher_adds_flags_and_attaches_chosen_layers(tmp_path):
     assert "megatron_taco: megatron-core" in proc.stdout
 
 
+def test_launcher_applies_the_error_sample_interval(tmp_path):
+    """--taco-error-sample-interval 0 turns the telemetry's codec round trips off under Megatron-LM too."""
+    proc, report = _launch(tmp_path, "--taco-mode", "int8", "--taco-error-sample-interval", "0")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert report["error_sample_interval"] == 0
+
+
 def test_launcher_resolves_last_to_the_models_last_layer(tmp_path):
     """The best measured 4-bit setting (INT4 forward, the first and last layers at FP8) as a user writes it."""
     flags = ["--taco-mode", "int4-ash", "--taco-bwd-mode", "fp8-ash", "--taco-override", "1,last:mode=fp8-ash"]

@@ -89,3 +89,43 @@ def test_start_up_note_names_te_fp8_and_fp4_gathers_under_sequence_parallelism()
     assert quantized_gathers_note(config(fp4="e2m1", sequence_parallel=True)).startswith("; under --fp4-format")
     assert quantized_gathers_note(config(fp8="hybrid")) == ""  # no SP: TE all-reduces in bf16, TACO's
     assert quantized_gathers_note(config(sequence_parallel=True)) == ""  # bf16 training
+
+
+def _below_min_bytes():
+    import torch.distributed as dist
+
+    from megatron_taco.codec import TacoCodec
+    from megatron_taco.megatron import te_linears
+    from megatron_taco.megatron.taco_linears import LinearCompression
+    from megatron_taco.megatron.telemetry import TELEMETRY
+
+    handle = object()  # TE's async handle: the caller overlaps the gather with its own work, then waits on it
+
+    def gather_along_first_dim(
+        inp, process_group, async_op=False, quantizer=None, output_tensor=None, external_coalescing=False
+    ):
+        out = torch.empty(inp.shape[0] * 2, *inp.shape[1:], dtype=inp.dtype)
+        dist.all_gather_into_tensor(out, inp, group=process_group)
+        return out, handle if async_op else None
+
+    gather = te_linears._intercept(
+        "transformer_engine.pytorch.module.linear", "gather_along_first_dim", gather_along_first_dim
+    )
+    codec = TacoCodec()
+    te_linears._ACTIVE.settings = te_linears.TeCompression(
+        column=LinearCompression("layer 2 qkv", codec, None, 2**30, 0)
+    )
+    te_linears._ACTIVE.backward = False
+    TELEMETRY.reset()
+    x = torch.randn(16, 2, 256)
+    _, returned = gather(x, dist.group.WORLD, async_op=True)
+    te_linears._ACTIVE.settings = None
+    record = TELEMETRY.records[("layer 2 qkv", "all_gather", "fwd")]
+    return returned is handle, (record.calls, record.compressed_calls, record.payload_bytes)
+
+
+def test_messages_below_min_bytes_take_tes_own_collective():
+    """What TACO would send uncompressed (below --taco-min-bytes, or compression off on NVLink) goes through TE's own
+    collective, with its async handle (TE overlaps it with compute), and is counted as sent uncompressed."""
+    own, record = run_distributed(_below_min_bytes, 2, timeout=120)[0]
+    assert own and record == (1, 0, 16 * 2 * 256 * 4)

@@ -109,6 +109,10 @@ def _intercept(te_file: str, name: str, original: Callable) -> Callable:
                 TELEMETRY.record_sent_by_te((cfg.name, collective.__name__, direction))
             return original(*args, **kwargs)
         group = list(bound.values())[1] if len(bound) > 1 else None
+        if not comm.compresses(inp, cfg.codec(direction), cfg.options(group, inp.device)):
+            # TACO would send it as it is: TE's own collective, with TE's overlap of it (async handles)
+            TELEMETRY.record((cfg.name, collective.__name__, direction), inp, None, False)
+            return original(*args, **kwargs)
         return cfg.run(collective, inp.contiguous(), group, direction), None
 
     call.taco_original = original

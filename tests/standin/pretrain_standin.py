@@ -23,6 +23,7 @@ from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
 
 from megatron_taco.megatron.cpu_runtime import cpu_config_overrides, enable_cpu_runtime
 from megatron_taco.megatron.specs import LOCAL_SPEC_CONFIG
+from megatron_taco.megatron.telemetry import TELEMETRY
 
 
 def extra_args(parser):
@@ -67,6 +68,7 @@ def main():
             for layer in model.decoder.layers
         ],
         "final_norm": type(model.decoder.final_layernorm).__name__,
+        "error_sample_interval": TELEMETRY.error_sample_interval,  # --taco-error-sample-interval, as the hooks set it
     }
     if (
         args.taco_switch is not None
