@@ -111,7 +111,7 @@ def _intercept(te_file: str, name: str, original: Callable) -> Callable:
         group = list(bound.values())[1] if len(bound) > 1 else None
         if not comm.compresses(inp, cfg.codec(direction), cfg.options(group, inp.device)):
             # TACO would send it as it is: TE's own collective, with TE's overlap of it (async handles)
-            TELEMETRY.record((cfg.name, collective.__name__, direction), inp, None, False)
+            TELEMETRY.record_uncompressed((cfg.name, collective.__name__, direction), inp.numel() * inp.element_size())
             return original(*args, **kwargs)
         return cfg.run(collective, inp.contiguous(), group, direction), None
 
