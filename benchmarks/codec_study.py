@@ -302,9 +302,9 @@ def main() -> None:
     else:
         import torch.distributed as dist
 
-        from megatron_taco.testing.distributed import _free_port
+        from megatron_taco.testing.distributed import free_port
 
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
         dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
         print(f"training {args.model} for {args.train_steps} steps (TP=1, {device}) ...", flush=True)
         dtype = "bf16" if device == "cuda" else "fp32"

@@ -37,14 +37,13 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from typing import Dict, List, Optional
 
-from megatron_taco.testing.distributed import LINK_REGIMES
+from megatron_taco.testing.distributed import LINK_REGIMES, free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ONE_GPU = "one-gpu"  # the link of rows with both ranks on one GPU over gloo: the code paths and losses, not the speed
@@ -311,12 +310,6 @@ MAPL = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _patched_copy(checkout: str, work: str) -> str:
     """A copy of the checkout with scripts/apply_patch.sh applied (made once per invocation)."""
     dest = os.path.join(work, "patched-" + os.path.basename(os.path.abspath(checkout)))
@@ -391,7 +384,7 @@ def run_row(row: Row, checkouts: Dict[str, str], work: str, log_dir: str, attemp
     checkout = checkouts[row.release]
     if row.path == "patch":
         checkout = _patched_copy(checkout, work)
-    port = _free_port()  # chosen before the fork, one per run
+    port = free_port()  # chosen before the fork, one per run
     one_gpu = row.link == ONE_GPU
     env = {
         **os.environ,
@@ -415,7 +408,7 @@ def run_row(row: Row, checkouts: Dict[str, str], work: str, log_dir: str, attemp
         )
         log = proc.stdout + proc.stderr
         if proc.returncode == 0:
-            cmd = [*command(row, checkout, _free_port()), "--load", save]
+            cmd = [*command(row, checkout, free_port()), "--load", save]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
             log += proc.stdout + proc.stderr
     else:

@@ -4,7 +4,6 @@ import glob
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,7 +11,7 @@ import time
 import pytest
 import torch
 
-from megatron_taco.testing.distributed import DistributedTestError, run_distributed
+from megatron_taco.testing.distributed import DistributedTestError, free_port, run_distributed
 from megatron_taco.training import cli
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -163,16 +162,10 @@ def test_trainer_trains_pp2_with_mapl_and_resumes(mapl, tmp_path):
         run_distributed(_train_cli, 2, [*other_width, "--train-iters", "4", "--load", str(tmp_path)], timeout=180)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _script_env():
     """The environment for scripts/run.sh: this Python, its own torchrun port."""
     return dict(
-        os.environ, PYTHON=sys.executable, PYTHONWARNINGS="ignore", TORCHRUN_ARGS=f"--master-port {_free_port()}"
+        os.environ, PYTHON=sys.executable, PYTHONWARNINGS="ignore", TORCHRUN_ARGS=f"--master-port {free_port()}"
     )
 
 

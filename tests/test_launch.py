@@ -48,13 +48,14 @@ except ImportError:
 def _launch(tmp_path, *flags, ranks=2):
     """The launcher on the stand-in: 2 ranks under torchrun at TP=2 (TACO needs TP traffic), or 1 plain process
     for flags refused while they are parsed (a failing torchrun adds its own report to stderr)."""
-    from benchmarks.megatron_lm_check import _free_port, torchrun
+    from benchmarks.megatron_lm_check import torchrun
+    from megatron_taco.testing.distributed import free_port
 
     out = tmp_path / "report.json"
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     launch = ["-m", "megatron_taco.launch", STANDIN, *MODEL_FLAGS, "--standin-out", str(out)]
     if ranks == 2:
-        command = [*torchrun(_free_port(), *launch), "--tensor-model-parallel-size", "2"]
+        command = [*torchrun(free_port(), *launch), "--tensor-model-parallel-size", "2"]
     else:
         command = [sys.executable, *launch]
     proc = subprocess.run(

@@ -8,6 +8,7 @@ import os
 import subprocess
 
 from benchmarks import megatron_lm_check as check
+from megatron_taco.testing.distributed import free_port
 
 PROBE = """
 import os, torch, torch.distributed as dist
@@ -34,7 +35,7 @@ dist.destroy_process_group()
 def _torchrun(tmp_path, env):
     script = tmp_path / "probe.py"
     script.write_text(PROBE)
-    cmd = check.torchrun(check._free_port(), str(script))
+    cmd = check.torchrun(free_port(), str(script))
     proc = subprocess.run(cmd, env={**os.environ, **env}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return sorted(line for line in proc.stdout.splitlines() if line.startswith("rank "))

@@ -33,7 +33,8 @@ class DistributedTestError(RuntimeError):
     """Raised in the parent when a rank failed or the run timed out."""
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now: choose it in the parent, before forking the ranks that rendezvous on it."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -100,7 +101,7 @@ def run_distributed(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context(os.environ.get("TACO_TEST_START_METHOD", "fork"))
     results: "mp.Queue" = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     child_env = {"OMP_NUM_THREADS": "1", **(env or {})}
     procs = [
         ctx.Process(

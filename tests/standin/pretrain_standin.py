@@ -9,7 +9,6 @@ it got (the parsed TACO flags, the attached settings, the norms) as JSON.
 
 import json
 import os
-import socket
 from typing import Optional
 
 import torch
@@ -24,6 +23,7 @@ from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
 from megatron_taco.megatron.cpu_runtime import cpu_config_overrides, enable_cpu_runtime
 from megatron_taco.megatron.specs import LOCAL_SPEC_CONFIG
 from megatron_taco.megatron.telemetry import TELEMETRY
+from megatron_taco.testing.distributed import free_port
 
 
 def extra_args(parser):
@@ -43,10 +43,8 @@ def main():
     if "RANK" in os.environ:  # under torchrun, as Megatron-LM runs
         dist.init_process_group("gloo")
     else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{port}")
+        init = f"tcp://127.0.0.1:{free_port()}"
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method=init)
     enable_cpu_runtime()
     parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, 1)
     model_parallel_cuda_manual_seed(1)
