@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import inspect
+import os
 import sys
 from typing import Any, Callable, List, Optional
 

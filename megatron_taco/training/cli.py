@@ -666,8 +666,9 @@ def _train(args: argparse.Namespace) -> List[float]:
 
 
 def _log_telemetry(args: argparse.Namespace, cfg: TrainConfig, trainer: Trainer, writer, step: int, steps: int) -> None:
-    """TACO's lines (the linears of every pipeline stage at this rank's TP / DP position) and MAPL's (every boundary, all ranks: a collective) of the last
-    ``steps`` steps, to the log and TensorBoard; then a new interval starts."""
+    """TACO's lines (the linears of every pipeline stage at this rank's TP / DP position) and MAPL's (every
+    boundary, all ranks); both are collectives. They cover the last ``steps`` steps and go to the log and
+    TensorBoard; then a new interval starts."""
     if args.taco.enabled:
         records = TELEMETRY.pipeline_records()  # every stage's layers
         for line in TELEMETRY.format_lines(records):
