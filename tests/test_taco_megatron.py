@@ -491,3 +491,29 @@ def test_last_names_the_models_last_layer_once_the_model_is_known():
     for bad in ("last-3", "0-last", "first"):
         with pytest.raises(TacoConfigError, match="--taco-layers: invalid layer range"):
             _parse(["--taco-mode", "fp8-ash", "--taco-layers", bad])
+
+
+def _attach_to_expert_linear():
+    from megatron.core.tensor_parallel import RowParallelLinear
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_taco.codec import TacoCodec
+    from megatron_taco.megatron.taco_linears import LinearCompression, compress_local_linear
+
+    config = TransformerConfig(
+        num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True, perform_initialization=False
+    )
+    linear = RowParallelLinear(
+        8, 8, config=config, init_method=None, bias=False, input_is_parallel=True, skip_bias_add=True,
+        is_expert=True, tp_group=dist.new_group([0, 1]),
+    )  # fmt: skip
+    with pytest.raises(ValueError) as error:
+        compress_local_linear(linear, LinearCompression("layer 1 fc2", TacoCodec(), None, 0, 0))
+    compress_local_linear(linear, None)  # stock stays allowed
+    return str(error.value)
+
+
+def test_expert_linears_are_refused_in_one_line():
+    """An expert linear (explicit_expert_comm) does no TP reduction of its own: TACO reducing it would sum twice."""
+    message = run_distributed(_attach_to_expert_linear, 2, timeout=120)[0]
+    assert message.startswith("layer 1 fc2: an expert linear (explicit_expert_comm=True)"), message

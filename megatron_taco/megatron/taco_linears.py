@@ -162,6 +162,11 @@ def compress_local_linear(linear: torch.nn.Module, cfg: Optional[LinearCompressi
         impl = _column_forward_impl
     else:
         raise TypeError(f"not a megatron-core Column/RowParallelLinear: {type(linear).__name__}")
+    if cfg is not None and getattr(linear, "explicit_expert_comm", False):
+        raise ValueError(
+            f"{cfg.name}: an expert linear (explicit_expert_comm=True) leaves its tensor-parallel communication to "
+            "the MoE token dispatcher; TACO has none of its traffic to compress"
+        )
     if not hasattr(linear, "stock_forward_impl"):  # install once; later calls only change the settings
         linear.stock_forward_impl = linear._forward_impl
         linear.stock_explicit_expert_comm = getattr(linear, "explicit_expert_comm", False)
