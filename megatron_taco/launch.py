@@ -213,6 +213,7 @@ def _patch_model_build() -> None:
     """Attach the TACO settings and MAPL's boundary codecs to every GPTModel right after it is built."""
     from megatron.core.models.gpt.gpt_model import GPTModel
 
+    from megatron_taco.comm import SettingsMismatchError
     from megatron_taco.megatron.attach import attach_taco
     from megatron_taco.megatron.te_linears import quantized_gathers_note
 
@@ -246,7 +247,8 @@ def _patch_model_build() -> None:
                 if cfg.switch is not None:
                     _switch_before_forward(self, cfg, stage, first_of_stage)
             boundaries = mapl_hooks.attach(self)
-        except ValueError as exc:  # a ConfigError, or a model TACO or MAPL cannot attach to
+        except (ValueError, SettingsMismatchError) as exc:  # a ConfigError, a model TACO or MAPL cannot attach to,
+            # or tensor-parallel ranks started with different --taco-* flags
             _fail(str(exc))
         if boundaries and first_of_stage:
             chunk = getattr(self, "vp_stage", None) or 0

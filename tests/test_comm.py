@@ -295,6 +295,22 @@ def test_ranks_with_other_settings_fail_clearly_on_every_rank():
         assert "rank 0: group_size=128" in message and "rank 1: group_size=64" in message, message
 
 
+def _chunk_mismatch_worker():
+    options = comm.CommOptions(min_bytes=0, chunk_bytes=1024 if dist.get_rank() == 1 else 4096)
+    try:
+        comm.all_gather(torch.randn(16, 128), None, TacoCodec(backend="torch"), options)
+    except comm.SettingsMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_that_chunk_messages_otherwise_fail_clearly_on_every_rank():
+    """Other chunk sizes mean other buffer sizes on the wire: caught by the handshake, not by a hang."""
+    for message in run_distributed(_chunk_mismatch_worker, 2, timeout=60):
+        assert "rank 0: group_size=128" in message and "chunk_bytes=4096; rank 1:" in message, message
+        assert message.endswith("chunk_bytes=1024"), message
+
+
 def _bad_input_worker():
     codec = TacoCodec(backend="torch")
     errors = []

@@ -127,6 +127,32 @@ def test_mapl_ranks_that_disagree_fail_on_both_sides_without_hanging():
     assert "ranks [" in message and "failed after it" in message  # the other side failed too: no hang
 
 
+def _taco_ranks_that_disagree(rank1_taco):
+    taco = rank1_taco if dist.get_rank() == 1 else TacoConfig(default=LinearSettings(mode="fp8-ash"), min_bytes=0)
+    Trainer(TrainConfig(TINY_GPT, tensor_parallel=2, sequence_parallel=True, taco=taco))
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    "rank1_taco, where, rank1_says",
+    [
+        # rank 1 would send every message stock, rank 0 compressed: on NCCL the first collective hangs
+        (TacoConfig(default=LinearSettings(mode="fp8-ash"), min_bytes=1 << 40), "--taco-min-bytes", "1099511627776"),
+        (TacoConfig(default=LinearSettings(mode="fp8-ash"), min_bytes=0, chunk_bytes=1 << 20), "--taco-chunk-bytes",
+         "1048576"),
+        (TacoConfig(default=LinearSettings(mode="fp8-ash"), layers=((1, 1),), min_bytes=0), "layer 2 qkv", "stock"),
+    ],
+    ids=["min-bytes", "chunk-bytes", "layers"],
+)  # fmt: skip
+def test_tensor_parallel_ranks_that_disagree_fail_at_start_up_naming_the_setting(rank1_taco, where, rank1_says):
+    """The per-collective handshake never runs where a rank takes the stock path: the plans are compared at attach."""
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_taco_ranks_that_disagree, 2, rank1_taco, timeout=120)
+    message = str(info.value)
+    assert f"TACO settings differ across tensor-parallel ranks [0, 1] at {where} (" in message, message
+    assert f"rank 1: {rank1_says}" in message and "failed after it" in message, message  # both ranks: no hang
+
+
 def _fp16_skips(taco, inject_at, steps=8):
     cfg = TrainConfig(
         TINY_GPT, tensor_parallel=2, sequence_parallel=True, dtype="fp16", taco=taco, initial_loss_scale=2.0**10

@@ -232,9 +232,9 @@ def _settings_worker(argv):
 
     def reading_headers(name):
         def wrapper(output, message, *rest, **kwargs):
-            # a compressed message: a 16-byte header and its codes and scales (the 16-byte settings
-            # handshake, TACO + settings or zeros for uncompressed + min_bytes, is not one)
-            if message.dtype == torch.uint8 and message.shape[-1] > 16:
+            # a compressed message: a 16-byte header and its codes and scales (the 24-byte settings
+            # handshake, TACO + settings or zeros for uncompressed + min_bytes + chunk_bytes, is not one)
+            if message.dtype == torch.uint8 and message.shape[-1] > 24:
                 for row in message.view(-1, message.shape[-1]):
                     raw = bytes(row[:8].tolist())
                     assert raw[:4] == b"TACO", raw

@@ -78,7 +78,7 @@ def compresses(x: torch.Tensor, codec: Optional[WireCodec], options: CommOptions
 
 
 def _compresses(x: torch.Tensor, group, codec: Optional[WireCodec], options: CommOptions) -> bool:
-    ensure_same_settings(group, codec, options.min_bytes, x.device)
+    ensure_same_settings(group, codec, options.min_bytes, options.chunk_bytes, x.device)
     return compresses(x, codec, options)
 
 

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
 from megatron_taco.codec import TacoCodec
+from megatron_taco.comm.handshake import describe_codec, ensure_same_plan
 from megatron_taco.config.taco import LINEARS, LinearSettings, TacoConfig
 from megatron_taco.megatron.taco_linears import LinearCompression, compress_local_linear
 from megatron_taco.megatron.te_linears import TeCompression, compress_te_linear, is_te_linear
@@ -91,11 +92,20 @@ SEEDS_PER_RANK = 4096  # rank r's codecs have seeds r * SEEDS_PER_RANK + serial:
 
 
 def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> Attached:
-    """Configure every transformer layer's linears; return what was compressed and what runs stock."""
+    """Configure every transformer layer's linears; return what was compressed and what runs stock.
+
+    The tensor-parallel ranks then compare their plans (every linear's codecs, --taco-min-bytes,
+    --taco-chunk-bytes) and raise :class:`~megatron_taco.comm.SettingsMismatchError` on every rank if they differ:
+    a rank taking the stock path where another compresses would hang on NCCL."""
     compressed: Dict[str, List[int]] = {name: [] for name in LINEARS}
     modes: Dict[str, List[int]] = {}
     stock: Dict[str, List[int]] = {}
     codecs: Dict[tuple, TacoCodec] = {}
+    plan = {
+        "--taco-min-bytes": "auto" if config.min_bytes is None else str(config.min_bytes),
+        "--taco-chunk-bytes": str(config.chunk_bytes),
+    }
+    tp_group = None  # the linears' tensor-parallel group, where the plans are compared
 
     def linear_compression(settings: LinearSettings, layer_number: int, name: str) -> Optional[LinearCompression]:
         def codec(direction: str) -> Optional[TacoCodec]:
@@ -145,6 +155,12 @@ def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> 
                 if linear is None and parent == "mlp" and is_te_linear(owner):  # TE LayerNormMLP: fc1 and fc2 in one
                     linear = owner
                 cfg = linear_compression(settings, number, name)
+                plan[f"layer {number} {name}"] = (
+                    f"forward {describe_codec(cfg.fwd_codec)}, backward {describe_codec(cfg.bwd_codec)}"
+                    if cfg is not None
+                    else "stock"
+                )
+                tp_group = tp_group if tp_group is not None else getattr(linear, "tp_group", None)
                 if isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
                     compress_local_linear(linear, cfg)
                 elif linear is not None and is_te_linear(linear):
@@ -159,6 +175,8 @@ def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> 
                 compress_te_linear(module, TeCompression(column, row) if column or row else None)
             if any(number in numbers for numbers in compressed.values()):  # a layer some linear of compresses
                 modes.setdefault(settings.describe_modes(), []).append(number)
+    if tp_group is not None and dist.is_initialized() and dist.get_world_size(tp_group) > 1:
+        ensure_same_plan(tp_group, plan)
     stock_parts = [
         f"layers {format_ranges(sorted(numbers))} {part}" if numbers else part for part, numbers in stock.items()
     ]
