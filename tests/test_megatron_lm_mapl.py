@@ -59,7 +59,9 @@ FLAGS = [
 ]
 
 
-def _megatron_lm_steps(mapl_flags, steps):
+def _megatron_lm_steps(mapl_flags, steps, rerun_steps=()):
+    """``rerun_steps``: the steps whose forward-backward runs twice on the same micro-batches, each run after zeroing
+    the gradients, as ``train_step``'s loop does when Megatron-LM's rerun state machine re-runs a step."""
     import sys
 
     from megatron.core import parallel_state
@@ -106,8 +108,7 @@ def _megatron_lm_steps(mapl_flags, steps):
 
     gen = torch.Generator().manual_seed(7)  # every stage draws the same micro-batches, like Megatron-LM's loaders;
     # the same ones every step, so the loss must fall
-    batches = [torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=gen) for _ in range(MICRO_BATCHES)] * steps
-    stream = iter(batches)
+    batches = [torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=gen) for _ in range(MICRO_BATCHES)]
     tokens_seen = []
 
     def forward_step(data_iterator, model):
@@ -147,20 +148,22 @@ def _megatron_lm_steps(mapl_flags, steps):
 
     losses, shapes = [], []
     u_start = [c.projection.detach().clone() for c in codecs]
-    for _ in range(steps):
-        for chunk in chunks:
-            chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        with recording_p2p() as sent:
-            reports = schedule(
-                forward_step_func=forward_step,
-                data_iterator=stream,
-                model=chunks,
-                num_microbatches=MICRO_BATCHES,
-                seq_length=SEQ,
-                micro_batch_size=MICRO_BATCH,
-                forward_only=False,
-            )
+    for step in range(steps):
+        # train_step's loop: `while rerun_state_machine.should_run_forward_backward(data_iterator)`
+        for _ in range(2 if step in rerun_steps else 1):
+            for chunk in chunks:
+                chunk.zero_grad_buffer()
+            optimizer.zero_grad()
+            with recording_p2p() as sent:
+                reports = schedule(
+                    forward_step_func=forward_step,
+                    data_iterator=iter(batches),
+                    model=chunks,
+                    num_microbatches=MICRO_BATCHES,
+                    seq_length=SEQ,
+                    micro_batch_size=MICRO_BATCH,
+                    forward_only=False,
+                )
         shapes += sorted({shape for _, _, shape in sent})
         updated, _, _ = optimizer.step()
         assert updated
@@ -174,6 +177,7 @@ def _megatron_lm_steps(mapl_flags, steps):
         "u_moved": [float((c.projection - u0).abs().max()) for c, u0 in zip(codecs, u_start)],
         "u": [c.projection.detach().clone() for c in codecs],
         "anchors": [c.anchor_basis.detach().float().clone() for c in codecs],
+        "codebooks": [c.vq.codebooks.detach().clone() for c in codecs if c.vq is not None],
         # what Megatron-LM's checkpoints save of the model: MAPL's state included
         "saved": {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith("mapl_")},
     }
@@ -218,6 +222,22 @@ def test_per_token_loss_scales_u_like_every_other_gradient():
         assert (a["u"][0] - b["u"][0]).abs().max() < 1e-6, (a["u"][0] - b["u"][0]).abs().max()
         assert (a["anchors"][0] - b["anchors"][0]).abs().max() < 1e-6
     assert mean[1]["losses"] == pytest.approx(per_token[1]["losses"], rel=1e-6)
+
+
+@pytest.mark.parametrize("vq", [False, True], ids=["mapl", "mapl-vq"])
+def test_a_step_megatron_lm_runs_twice_trains_as_once(vq):
+    """Megatron-LM's rerun state machine (``--rerun-mode validate_results``, its default) re-runs a step's
+    forward-backward after zeroing the model's gradients: U's gradient and the codebook statistics, kept outside
+    the model's gradient buffers, were counted twice."""
+    flags = ["--mapl-ratio", "8"] + (["--mapl-vq-levels", "2", "--mapl-vq-codes", "16"] if vq else [])
+    once = run_distributed(_megatron_lm_steps, 2, flags, 3, timeout=240)
+    twice = run_distributed(_megatron_lm_steps, 2, flags, 3, (1,), timeout=240)  # the second step re-run
+    for a, b in zip(once, twice):
+        assert (a["u"][0] - b["u"][0]).abs().max() < 1e-6, (a["u"][0] - b["u"][0]).abs().max()
+        for book_a, book_b in zip(a["codebooks"], b["codebooks"]):
+            assert (book_a - book_b).abs().max() < 1e-6, (book_a - book_b).abs().max()
+    assert once[1]["losses"] == pytest.approx(twice[1]["losses"], rel=1e-6)
+    assert len(once[0]["codebooks"]) == int(vq) and all(book.abs().max() > 0 for book in once[0]["codebooks"])
 
 
 def test_mapl_at_full_width_trains_like_megatron_lm_without_it():

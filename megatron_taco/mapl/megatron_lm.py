@@ -14,7 +14,8 @@ places in Megatron-LM where each of its steps belongs:
   with the step) and the VQ codebook step (``MaplSync.follow_steps``);
 - gradients: ``finalize_model_grads`` is followed by MAPL's sums over TP, DP and the boundary pair;
 - the schedule: the function ``get_forward_backward_func`` returns is called with :func:`schedule_inputs`
-  (r-wide P2P buffers; with VQ the index wire);
+  (r-wide P2P buffers; with VQ the index wire), U's gradients and the VQ statistics zeroed before a training run of
+  it (as ``train_step`` zeroes the others: its rerun state machine may run a step twice);
 - the log: MAPL's traffic lines every ``--log-interval`` iterations (stdout and TensorBoard).
 
 Checkpoints: the codecs are submodules of the GPTModel (``mapl_send_<g>`` / ``mapl_recv_<g>``), so U, its
@@ -209,6 +210,8 @@ def _patch_training() -> None:
 
         @functools.wraps(schedule)
         def forward_backward(*schedule_args, model, **schedule_kwargs):
+            if _STATE["sync"] is not None and not schedule_kwargs.get("forward_only", False):
+                _STATE["sync"].start_forward_backward()
             chunks = model if isinstance(model, list) else [model]
             views, extra = schedule_inputs(chunks, cfg)
             return schedule(

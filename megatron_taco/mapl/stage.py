@@ -325,6 +325,15 @@ class MaplSync:
 
         step_projections_with(optimizer, self.optimizer, self.trainable, base_lr, after_step=codebooks)
 
+    def start_forward_backward(self) -> None:
+        """A step's forward-backward begins: U's gradients and the VQ statistics start from zero, as Megatron-LM's
+        ``train_step`` zeroes every other gradient before it (its rerun state machine may run one step's
+        forward-backward twice; the second run must not add to the first)."""
+        for boundary in self.boundaries:
+            boundary.projection.grad = None
+            if boundary.vq is not None:
+                boundary.vq.clear_step_statistics()
+
     @torch.profiler.record_function(CODEC_RANGE)
     def codebook_step(self, updated: bool = True) -> int:
         """VQ: senders fold this step's statistics into their EMA codebooks; changed rows stream to receivers.
