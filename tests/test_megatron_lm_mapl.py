@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import megatron_taco.launch  # noqa: F401  (its Python 3.11 shim lets megatron.training import)
-from megatron_taco.testing.distributed import run_distributed
+from megatron_taco.testing.distributed import DistributedTestError, run_distributed
 
 try:
     import megatron.training.models.gpt  # noqa: F401
@@ -59,9 +59,10 @@ FLAGS = [
 ]
 
 
-def _megatron_lm_steps(mapl_flags, steps, rerun_steps=()):
+def _megatron_lm_steps(mapl_flags, steps, rerun_steps=(), config_overrides=None):
     """``rerun_steps``: the steps whose forward-backward runs twice on the same micro-batches, each run after zeroing
-    the gradients, as ``train_step``'s loop does when Megatron-LM's rerun state machine re-runs a step."""
+    the gradients, as ``train_step``'s loop does when Megatron-LM's rerun state machine re-runs a step.
+    ``config_overrides``: TransformerConfig fields a custom model provider would set."""
     import sys
 
     from megatron.core import parallel_state
@@ -90,7 +91,7 @@ def _megatron_lm_steps(mapl_flags, steps, rerun_steps=()):
     model_parallel_cuda_manual_seed(args.seed)
     torch.manual_seed(args.seed)
     config = arguments.core_transformer_config_from_args(args)
-    for key, value in {**LOCAL_SPEC_CONFIG, **cpu_config_overrides()}.items():
+    for key, value in {**LOCAL_SPEC_CONFIG, **cpu_config_overrides(), **(config_overrides or {})}.items():
         setattr(config, key, value)
     first, last = parallel_state.is_pipeline_first_stage(), parallel_state.is_pipeline_last_stage()
     model = GPTModelBuilder(GPTModelConfig(transformer=config, vocab_size=VOCAB, seq_length=SEQ)).build_model(
@@ -238,6 +239,20 @@ def test_a_step_megatron_lm_runs_twice_trains_as_once(vq):
             assert (book_a - book_b).abs().max() < 1e-6, (book_a - book_b).abs().max()
     assert once[1]["losses"] == pytest.approx(twice[1]["losses"], rel=1e-6)
     assert len(once[0]["codebooks"]) == int(vq) and all(book.abs().max() > 0 for book in once[0]["codebooks"])
+
+
+def test_a_model_config_with_variable_seq_lengths_keeps_megatron_cores_shape_messages():
+    """A custom model provider's ``variable_seq_lengths``: the schedule must still send each tensor's shape first
+    (MAPL's view of the config turned it off, so sequences of another length would have hung); the FP8 wire, whose
+    messages have one size, is refused in one line naming the flag."""
+    flags, variable = ["--mapl-ratio", "8"], {"variable_seq_lengths": True}
+    plain = run_distributed(_megatron_lm_steps, 2, flags, 1, timeout=240)[0]["p2p_shapes"]
+    sender, receiver = run_distributed(_megatron_lm_steps, 2, flags, 2, config_overrides=variable, timeout=240)
+    assert (3,) not in plain and (3,) in sender["p2p_shapes"], (plain, sender["p2p_shapes"])  # [s, b, r] as int64
+    assert (SEQ, MICRO_BATCH, 4) in sender["p2p_shapes"] and torch.equal(sender["u"][0], receiver["u"][0])
+    with pytest.raises(DistributedTestError, match="--mapl-wire fp8 with a model whose config sets variable_seq_len"):
+        fp8 = ["--mapl-ratio", "4", "--mapl-wire", "fp8"]
+        run_distributed(_megatron_lm_steps, 2, fp8, 1, config_overrides=variable, timeout=240)
 
 
 def test_mapl_at_full_width_trains_like_megatron_lm_without_it():

@@ -157,8 +157,8 @@ class MaplStage:
 class ScheduleView(torch.nn.Module):
     """What the pipeline schedule sees: the model, with a config whose hidden_size is the wire width.
 
-    With a different width per boundary (``variable_shapes``), megatron-core's P2P exchanges each
-    tensor's shape before the tensor (its ``variable_seq_lengths`` mode): three int64 per message.
+    With a different width per boundary, or a model config that sets it (``variable_shapes``), megatron-core's
+    P2P exchanges each tensor's shape before the tensor (its ``variable_seq_lengths`` mode): three int64 per message.
     """
 
     def __init__(self, model: torch.nn.Module, wire_width: int, variable_shapes: bool = False) -> None:
@@ -445,6 +445,12 @@ def _count_projections_in_grad_norm(optimizer: Any, boundaries: List[BoundaryCod
     setattr(target, name, with_projections)
 
 
+def _variable_shapes(cfg: MaplConfig, config: Any) -> bool:
+    """Whether the schedule's P2P sends each tensor's shape first: widths that differ per boundary, or a model
+    config with ``variable_seq_lengths`` (set by custom model providers; Megatron-LM's parser sets it False)."""
+    return not cfg.uniform or bool(getattr(config, "variable_seq_lengths", False))
+
+
 def attach_mapl(
     model: torch.nn.Module, cfg: MaplConfig, seed: int, codec_class: Type[BoundaryCodec] = BoundaryCodec
 ) -> MaplStage:
@@ -455,6 +461,11 @@ def attach_mapl(
     the same seed. Vocabulary, positions and hidden size are read from the model.
     """
     config = model.config
+    if getattr(config, "variable_seq_lengths", False) and (cfg.wire == "fp8" or cfg.vq_levels):
+        raise MaplConfigError(
+            f"{'--mapl-wire fp8' if cfg.wire == 'fp8' else '--mapl-vq-levels'} with a model whose config sets "
+            "variable_seq_lengths: that wire's messages have one size for the whole run; use the default wire"
+        )
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     widths = cfg.wire_ranks(config.hidden_size, pp, config.virtual_pipeline_model_parallel_size)
     position = (getattr(model, "vp_stage", None) or 0) * pp + parallel_state.get_pipeline_model_parallel_rank()
@@ -492,7 +503,7 @@ def attach_mapl(
     )
     for codec in stage.boundaries():  # what the telemetry counts: the FP8 wire's messages (None: the tensors)
         codec.wire = wire_codec(cfg.wire, codec.rank)
-    if not cfg.uniform:  # megatron-core sends each tensor's shape first: counted in the MAPL telemetry
+    if _variable_shapes(cfg, config):  # megatron-core sends each tensor's shape first: counted in the MAPL telemetry
         stage.shape_message_bytes = SHAPE_MESSAGE_BYTES
     return stage
 
@@ -516,7 +527,7 @@ def schedule_inputs(models: List[torch.nn.Module], cfg: MaplConfig) -> Tuple[Lis
     config = models[0].config
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     widths = cfg.wire_ranks(config.hidden_size, pp, config.virtual_pipeline_model_parallel_size)
-    views = [ScheduleView(m, max(widths), variable_shapes=not cfg.uniform) for m in models]
+    views = [ScheduleView(m, max(widths), variable_shapes=_variable_shapes(cfg, config)) for m in models]
     if cfg.wire == "fp8":  # one per run: its codec caches headers, and it checks the first message's settings
         group = parallel_state.get_pipeline_model_parallel_group()
         key = (cfg, id(group), config.pipeline_dtype)
