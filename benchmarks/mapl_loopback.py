@@ -95,7 +95,7 @@ class LoopbackBoundary(torch.nn.Module):
         return (x.float() @ u) @ u.t()
 
     def _embedding_into_span(self, module, args, output: torch.Tensor) -> torch.Tensor:
-        anchors = self.codec._anchors(*self._ids, None)
+        anchors = self.codec(*self._ids, None)
         return (anchors + self._in_span(output.float() - anchors)).to(output.dtype)
 
     def _update_through_span(self, module, args, kwargs, output):
@@ -108,7 +108,7 @@ class LoopbackBoundary(torch.nn.Module):
         hidden = output[0] if isinstance(output, tuple) else output
         tokens, positions = self._ids
         if self.mode == "tables":  # nothing dropped: h + a(t, p) (``mapl_variants.AnchorsWithoutCompression``)
-            hidden = (hidden.float() + self.codec._anchors(tokens, positions, None)).to(hidden.dtype)
+            hidden = (hidden.float() + self.codec(tokens, positions, None)).to(hidden.dtype)
         else:
             wire = self.codec.project(hidden, tokens, positions)  # in the hidden states' dtype, like the P2P message
             if self.wire is not None:

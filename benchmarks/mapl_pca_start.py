@@ -47,7 +47,7 @@ def _record_second_moments(moments: dict) -> None:
     def recording_project(self, hidden, tokens, positions=None):
         if torch.is_grad_enabled():
             with torch.no_grad():
-                anchors = self._anchors(tokens, positions)
+                anchors = self(tokens, positions, None)
                 x = (hidden.float() if anchors is None else hidden.float() - anchors).reshape(-1, self.hidden_size)
                 moments[self.boundary] = moments.get(self.boundary, 0) + x.T @ x / x.shape[0]
         return project(self, hidden, tokens, positions)

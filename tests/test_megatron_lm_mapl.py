@@ -59,10 +59,16 @@ FLAGS = [
 ]
 
 
-def _megatron_lm_steps(mapl_flags, steps, rerun_steps=(), config_overrides=None):
+def _megatron_lm_steps(
+    mapl_flags, steps, rerun_steps=(), config_overrides=None, distributed_optimizer=False, overlap=False
+):
     """``rerun_steps``: the steps whose forward-backward runs twice on the same micro-batches, each run after zeroing
     the gradients, as ``train_step``'s loop does when Megatron-LM's rerun state machine re-runs a step.
-    ``config_overrides``: TransformerConfig fields a custom model provider would set."""
+    ``config_overrides``: TransformerConfig fields a custom model provider would set. ``distributed_optimizer``:
+    megatron-core's DistributedOptimizer (gradients reduce-scattered over data-parallel ranks, each updating its
+    shard). ``overlap``: with it, --overlap-grad-reduce and --overlap-param-gather in buckets of 4096 elements, and
+    each read of the anchors checks that no all-gather of their parameters is in flight. Data-parallel ranks draw
+    their own micro-batches; the stages of a pipeline the same."""
     import sys
 
     from megatron.core import parallel_state
@@ -97,17 +103,42 @@ def _megatron_lm_steps(mapl_flags, steps, rerun_steps=(), config_overrides=None)
     model = GPTModelBuilder(GPTModelConfig(transformer=config, vocab_size=VOCAB, seq_length=SEQ)).build_model(
         ProcessGroupCollection.use_mpu_process_groups(), pre_process=first, post_process=last
     )
-    chunks = [DistributedDataParallel(config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), model)]
-    optimizer = training.get_megatron_optimizer(
-        OptimizerConfig(optimizer="adam", lr=args.lr, clip_grad=args.clip_grad), chunks
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        use_distributed_optimizer=distributed_optimizer,
+        overlap_grad_reduce=overlap,
+        overlap_param_gather=overlap,
+        bucket_size=4096 if overlap else None,
     )
+    chunks = [DistributedDataParallel(config, ddp_config, model)]
+    optimizer = training.get_megatron_optimizer(
+        OptimizerConfig(
+            optimizer="adam",
+            lr=args.lr,
+            clip_grad=args.clip_grad,
+            use_distributed_optimizer=distributed_optimizer,
+            overlap_param_gather=overlap,
+        ),
+        chunks,
+    )
+    reads = {"anchor_reads": 0, "anchor_reads_in_flight": 0}
+
+    def count_anchor_reads(codec, inputs):  # runs after DDP's pre-hook, registered before it
+        buckets = {chunks[0].param_to_bucket_group[p] for p in codec.parameters(recurse=False) if p.requires_grad}
+        reads["anchor_reads"] += 1
+        reads["anchor_reads_in_flight"] += sum(bucket.param_gather_handle is not None for bucket in buckets)
+
+    if overlap:
+        for codec in (m for name, m in model.named_children() if name.startswith("mapl_")):
+            codec.register_forward_pre_hook(count_anchor_reads)
     config.finalize_model_grads_func = training.finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = chunks[0].no_sync
     schedule = training.get_forward_backward_func()
     codecs = [m for name, m in model.named_children() if name.startswith("mapl_")]
 
-    gen = torch.Generator().manual_seed(7)  # every stage draws the same micro-batches, like Megatron-LM's loaders;
+    # every stage draws its data-parallel rank's micro-batches, like Megatron-LM's loaders;
+    gen = torch.Generator().manual_seed(7 + parallel_state.get_data_parallel_rank())
     # the same ones every step, so the loss must fall
     batches = [torch.randint(0, VOCAB, (MICRO_BATCH, SEQ + 1), generator=gen) for _ in range(MICRO_BATCHES)]
     tokens_seen = []
@@ -170,6 +201,9 @@ def _megatron_lm_steps(mapl_flags, steps, rerun_steps=(), config_overrides=None)
         assert updated
         if last:
             losses.append(float(torch.stack([r["lm loss"] for r in reports]).mean()))
+    if overlap:  # the last step's all-gather waits for the next forward: Megatron-LM forces it before a save
+        for chunk in chunks:
+            chunk.start_param_sync(force_sync=True)
     return {
         "losses": losses,
         "p2p_shapes": shapes,
@@ -179,6 +213,7 @@ def _megatron_lm_steps(mapl_flags, steps, rerun_steps=(), config_overrides=None)
         "u": [c.projection.detach().clone() for c in codecs],
         "anchors": [c.anchor_basis.detach().float().clone() for c in codecs],
         "codebooks": [c.vq.codebooks.detach().clone() for c in codecs if c.vq is not None],
+        **reads,
         # what Megatron-LM's checkpoints save of the model: MAPL's state included
         "saved": {k: v.detach().clone() for k, v in model.state_dict().items() if k.startswith("mapl_")},
     }
@@ -255,6 +290,32 @@ def test_a_model_config_with_variable_seq_lengths_keeps_megatron_cores_shape_mes
         run_distributed(_megatron_lm_steps, 2, fp8, 1, config_overrides=variable, timeout=240)
 
 
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap-grad-reduce-and-param-gather"])
+def test_the_distributed_optimizer_trains_mapl_like_ddp_and_keeps_the_pairs_anchor_tables_equal(overlap):
+    """PP=2 x DP=2, megatron-core's DistributedOptimizer against plain DDP + Adam: the same losses, U and anchor
+    tables, and both replicas of every table equal. Anchor rank 256 makes the tables larger than a data-parallel
+    shard, so the two stages split them at different elements; before the fix the pair's tables drifted apart (by
+    0.05 after 3 steps). With --overlap-param-gather every read of the anchors waits for their all-gather."""
+    flags = ["--mapl-ratio", "8", "--mapl-anchor-rank", "256", "--mapl-anchor-init", "random"]
+    ddp = run_distributed(_megatron_lm_steps, 4, flags, 3, timeout=240)
+    sharded = run_distributed(
+        _megatron_lm_steps, 4, flags, 3, distributed_optimizer=True, overlap=overlap, timeout=240
+    )  # fmt: skip
+    ranks = [0, 1, 2, 3]  # stage 0: ranks 0, 1 (data-parallel ranks 0, 1); stage 1: ranks 2, 3
+    for rank in ranks:
+        assert sharded[rank]["losses"] == pytest.approx(ddp[rank]["losses"], rel=1e-6)
+        for key, value in sharded[rank]["saved"].items():
+            name = key.split(".", 1)[1]
+            if name in ("anchor_embedding", "anchor_basis", "anchor_position", "projection"):
+                assert (value - ddp[rank]["saved"][key]).abs().max() < 1e-6, (rank, key)
+    tables = [{k.split(".", 1)[1]: v for k, v in sharded[rank]["saved"].items()} for rank in ranks]
+    for name in ("anchor_embedding", "anchor_basis", "anchor_position", "projection"):
+        assert all(torch.equal(tables[0][name], table[name]) for table in tables), name
+    if overlap:  # the receiver reads its anchors first thing in the step, long before its bucket's other params
+        assert all(result["anchor_reads_in_flight"] == 0 for result in sharded)
+        assert sharded[2]["anchor_reads"] > 0
+
+
 def test_mapl_at_full_width_trains_like_megatron_lm_without_it():
     """r = d loses nothing: the same losses as without MAPL (only the anchors' and U's rounding differs). Without
     clipping: U's gradient counts in the clipped norm, so with --clip-grad the coefficients differ."""
@@ -299,11 +360,14 @@ def test_mapl_widths_are_checked_against_megatron_lms_interleaved_chunks_at_pars
             configure("--mapl-ratio", "8", "--mapl-wire", "fp8", overlap=True, **layout)
         with pytest.raises(MaplConfigError, match="--mapl-\\* with --use-tp-pp-dp-mapping"):
             configure("--mapl-ratio", "8", use_tp_pp_dp_mapping=True)
-        # sharded gradients over data parallel: the pair's anchor tables would drift apart
+        # the distributed optimizer at DP=2 trains (test_the_distributed_optimizer_...); FSDP shards the anchors
         dense = dict(num_layers_per_virtual_pipeline_stage=None)
-        assert configure("--mapl-ratio", "8", use_distributed_optimizer=True, world_size=2, **dense)  # DP=1
-        with pytest.raises(MaplConfigError, match="with --use-distributed-optimizer at data-parallel size 2"):
-            configure("--mapl-ratio", "8", use_distributed_optimizer=True, world_size=4, **dense)
+        assert configure("--mapl-ratio", "8", use_distributed_optimizer=True, world_size=4, **dense)
+        with pytest.raises(MaplConfigError, match="with --use-megatron-fsdp at data-parallel size 2: FSDP shards"):
+            configure("--mapl-ratio", "8", use_megatron_fsdp=True, world_size=4, **dense)
+        instances = dict(use_distributed_optimizer=True, num_distributed_optimizer_instances=2, world_size=8)
+        with pytest.raises(MaplConfigError, match="with --num-distributed-optimizer-instances 2: MAPL gathers"):
+            configure("--mapl-ratio", "8", **instances, **dense)
         # --use-checkpoint-args without --hidden-size: the widths are checked when the model is built
         assert configure("--mapl-ratio", "8", hidden_size=None, **dense).ratio == 8
     finally:

@@ -93,10 +93,13 @@ class BoundaryCodec(torch.nn.Module):
             owner._buffers[name.rpartition(".")[2]] = kept.requires_grad_(old.requires_grad)
         return self
 
-    def _anchors(
+    def forward(
         self, tokens: torch.Tensor, positions: Optional[torch.Tensor], previous: Optional[torch.Tensor]
     ) -> Optional[torch.Tensor]:
-        """a for tokens and positions [s, b] and previous tokens [n, s, b] as fp32 [s, b, d] (None: no anchors)."""
+        """a for tokens and positions [s, b] and previous tokens [n, s, b] as fp32 [s, b, d] (None: no anchors).
+
+        The anchors are read through the module call, so the hooks of wrappers see it: megatron-core DDP's
+        forward pre-hook waits there for the anchors' parameter all-gather (``--overlap-param-gather``)."""
         if self.anchor_rank == 0:
             return None
         coefficients = self.anchor_embedding[tokens].float()
@@ -114,7 +117,7 @@ class BoundaryCodec(torch.nn.Module):
         previous: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """[s, b, d] -> [s, b, r] (in the hidden states' dtype; math in fp32)."""
-        anchors = self._anchors(tokens, positions, previous)
+        anchors = self(tokens, positions, previous)
         centred = hidden.float() if anchors is None else hidden.float() - anchors
         return (centred @ self.projection).to(hidden.dtype)
 
@@ -140,5 +143,5 @@ class BoundaryCodec(torch.nn.Module):
     ) -> torch.Tensor:
         """[s, b, r] -> [s, b, d]."""
         hidden = z.float() @ self.projection.transpose(0, 1)
-        anchors = self._anchors(tokens, positions, previous)
+        anchors = self(tokens, positions, previous)
         return (hidden if anchors is None else hidden + anchors).to(dtype)

@@ -60,16 +60,18 @@ def configure(args: argparse.Namespace) -> Optional[MaplConfig]:
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     world = getattr(args, "world_size", None) or int(os.environ.get("WORLD_SIZE", "1"))
     data_parallel = world // (model_parallel * getattr(args, "context_parallel_size", 1))
-    sharded = [
-        flag
-        for flag in ("use_distributed_optimizer", "use_megatron_fsdp", "use_torch_fsdp2")
-        if getattr(args, flag, False)
-    ]
+    sharded = [flag for flag in ("use_megatron_fsdp", "use_torch_fsdp2") if getattr(args, flag, False)]
     if sharded and data_parallel > 1:
         raise MaplConfigError(
-            f"--mapl-* with --{sharded[0].replace('_', '-')} at data-parallel size {data_parallel}: the sharded "
-            "gradients are DP-reduced only on each rank's own shard, and the two stages of a boundary shard the "
-            "anchors differently, so their tables would drift apart; drop it or run at data-parallel size 1"
+            f"--mapl-* with --{sharded[0].replace('_', '-')} at data-parallel size {data_parallel}: FSDP shards the "
+            "anchor parameters themselves, which MAPL's boundary pair sums whole; use --use-distributed-optimizer "
+            "or run at data-parallel size 1"
+        )
+    instances = getattr(args, "num_distributed_optimizer_instances", 1)
+    if getattr(args, "use_distributed_optimizer", False) and instances > 1:
+        raise MaplConfigError(
+            f"--mapl-* with --num-distributed-optimizer-instances {instances}: MAPL gathers the anchors' gradient "
+            "shards over the whole data-parallel group; use one instance"
         )
     if getattr(args, "use_tp_pp_dp_mapping", False):
         raise MaplConfigError(

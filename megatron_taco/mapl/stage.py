@@ -226,6 +226,8 @@ class MaplSync:
             parallel_state.get_tensor_model_parallel_world_size() > 1 and stages[0].config.sequence_parallel
         )
         self._check_pairs_agree()
+        # {anchor parameter: (start, end) of its flattened elements this rank's distributed optimizer owns}
+        self.anchor_shards: Dict[torch.nn.Parameter, Tuple[int, int]] = {}
         self.trainable = [b for b in self.boundaries if b.trainable]
         self.optimizer = (
             StiefelMomentumSGD(
@@ -286,6 +288,10 @@ class MaplSync:
     def finalize_grads(self, num_tokens: Optional[torch.Tensor] = None) -> None:
         """Sum U and anchor gradients over TP (U only; anchors via SP tagging), DP and the boundary pair.
 
+        Under the distributed optimizer an anchor's gradient is DP-reduced only in this rank's shard of it, and the
+        two stages of a boundary shard their anchors differently (their gradient buffers differ): each element is
+        first taken from its owner over DP, then summed over the pair, so both replicas take the same update.
+
         ``num_tokens``: the global batch's token count under Megatron-LM's ``--calculate-per-token-loss`` (the loss
         is a sum; megatron-core divides every other gradient by it): U's gradient is divided by it too, instead of
         being averaged over DP."""
@@ -311,14 +317,22 @@ class MaplSync:
                 grad = getattr(param, "main_grad", None)
                 if grad is None:
                     grad = param.grad
-                if grad is not None:
-                    dist.all_reduce(grad, group=pair)
-                    MAPL_TELEMETRY.record_sync(boundary.boundary, grad)
+                if grad is None:
+                    continue
+                if param in self.anchor_shards:  # the distributed optimizer reduced only each rank's own shard
+                    start, end = self.anchor_shards[param]
+                    owned = torch.zeros_like(grad)
+                    owned.view(-1)[start:end] = grad.view(-1)[start:end]
+                    dist.all_reduce(owned, group=dp_group)  # every element from its owner: DP-reduced everywhere
+                    grad.copy_(owned)
+                dist.all_reduce(grad, group=pair)
+                MAPL_TELEMETRY.record_sync(boundary.boundary, grad)
 
     def follow_steps(self, optimizer: Any, base_lr: float) -> None:
         """Tie MAPL to megatron-core's ``optimizer``: U clipped and stepped with it (:func:`step_projections_with`),
         then the codebook step after every step (its rows in ``codebook_rows``)."""
         self.codebook_rows = 0
+        self.anchor_shards = _anchor_shards(optimizer, self.boundaries)
 
         def codebooks(updated: bool) -> None:
             self.codebook_rows = self.codebook_step(updated)
@@ -360,6 +374,22 @@ class MaplSync:
             rows += boundary.vq.sync(self.groups[boundary.boundary], sender, target)
             MAPL_TELEMETRY.record_sync(boundary.boundary, nbytes=boundary.vq.sync_bytes)
         return rows
+
+
+def _anchor_shards(optimizer: Any, boundaries: List[BoundaryCodec]) -> Dict[torch.nn.Parameter, Tuple[int, int]]:
+    """Under megatron-core's DistributedOptimizer: each anchor parameter's range of elements this data-parallel rank
+    owns ((0, 0): none). Empty for the other optimizers (every rank's gradient is fully DP-reduced)."""
+    sharded = [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if hasattr(o, "model_param_gbuf_map")]
+    if not sharded:
+        return {}
+    shards = {}
+    for param in (p for b in boundaries for p in b.parameters() if getattr(p, "mapl_anchor", False)):
+        shards[param] = (0, 0)
+        for sub in sharded:
+            if param in sub.model_param_gbuf_map:  # holds the parameters this rank owns a part of
+                owned = sub._get_model_param_range_map(param)["param"]
+                shards[param] = (owned.start, owned.end)
+    return shards
 
 
 def step_projections_with(

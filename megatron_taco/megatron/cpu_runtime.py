@@ -5,7 +5,8 @@ tracker forks CUDA generators, buffers are allocated on
 ``torch.cuda.current_device()``, ``pipeline_parallel/schedules.py`` builds
 tensors with ``device="cuda"``, and the 0.17+ DDP wrapper calls
 ``torch.cuda.current_stream()`` unconditionally (and P2P shape exchange calls
-``torch.cuda.synchronize()``). ``enable_cpu_runtime()``
+``torch.cuda.synchronize()``); the distributed optimizer accepts parameters only
+if their type names are ``torch.cuda.*Tensor``. ``enable_cpu_runtime()``
 redirects exactly those, and only when CUDA is absent: it refuses to run on a
 machine with a GPU, where the real CUDA paths must be used.
 
@@ -129,6 +130,28 @@ def _clip_grads_by_total_norm(parameters, max_norm, total_norm, use_decoupled_gr
         torch._foreach_mul_(grads, clip_coeff)
 
 
+def _distributed_optimizer_takes_cpu_parameters() -> None:
+    """megatron-core's ``DistributedOptimizer._build_model_and_main_param_groups`` with the CPU tensor types in its
+    type checks (``'torch.cuda.FloatTensor'`` -> ``'torch.FloatTensor'``, likewise half and bfloat16): its own
+    source, recompiled; nothing else changes."""
+    import inspect
+    import textwrap
+
+    from megatron.core.optimizer import distrib_optimizer
+
+    name = "_build_model_and_main_param_groups"
+    wrapper = inspect.getattr_static(distrib_optimizer.DistributedOptimizer, name)  # a classmethod / staticmethod
+    lines, first = inspect.getsourcelines(wrapper.__func__)
+    decorators = sum(1 for line in lines if line.lstrip().startswith("@"))  # re-applied below
+    source = textwrap.dedent("".join(lines[decorators:]))
+    for kind in ("Float", "Half", "BFloat16"):
+        source = source.replace(f"'torch.cuda.{kind}Tensor'", f"'torch.{kind}Tensor'")
+    source = "\n" * (first - 1 + decorators) + source  # tracebacks keep the file's line numbers
+    namespace: Dict[str, Any] = {}
+    exec(compile(source, inspect.getsourcefile(wrapper.__func__), "exec"), vars(distrib_optimizer), namespace)
+    setattr(distrib_optimizer.DistributedOptimizer, name, type(wrapper)(namespace[name]))
+
+
 def enable_cpu_runtime() -> None:
     """Make megatron-core's CUDA-only paths work on CPU. Idempotent; refuses on a CUDA machine."""
     global _ENABLED
@@ -159,6 +182,7 @@ def enable_cpu_runtime() -> None:
     torch.cuda.current_stream = lambda *args, **kwargs: _NullStream()
     # p2p shape exchange (variable_seq_lengths) synchronizes the device: nothing to wait for on CPU
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    _distributed_optimizer_takes_cpu_parameters()
     _ENABLED = True
 
 
