@@ -60,7 +60,13 @@ FLAGS = [
 
 
 def _megatron_lm_steps(
-    mapl_flags, steps, rerun_steps=(), config_overrides=None, distributed_optimizer=False, overlap=False
+    mapl_flags,
+    steps,
+    rerun_steps=(),
+    config_overrides=None,
+    distributed_optimizer=False,
+    overlap=False,
+    tensor_parallel=1,
 ):
     """``rerun_steps``: the steps whose forward-backward runs twice on the same micro-batches, each run after zeroing
     the gradients, as ``train_step``'s loop does when Megatron-LM's rerun state machine re-runs a step.
@@ -68,7 +74,7 @@ def _megatron_lm_steps(
     megatron-core's DistributedOptimizer (gradients reduce-scattered over data-parallel ranks, each updating its
     shard). ``overlap``: with it, --overlap-grad-reduce and --overlap-param-gather in buckets of 4096 elements, and
     each read of the anchors checks that no all-gather of their parameters is in flight. Data-parallel ranks draw
-    their own micro-batches; the stages of a pipeline the same."""
+    their own micro-batches; the stages of a pipeline the same. ``tensor_parallel`` > 1: with --sequence-parallel."""
     import sys
 
     from megatron.core import parallel_state
@@ -87,13 +93,14 @@ def _megatron_lm_steps(
     from megatron.training import arguments, global_vars, training
     from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
 
-    sys.argv = ["pretrain_gpt.py", *FLAGS, *mapl_flags]
+    tp = ["--tensor-model-parallel-size", str(tensor_parallel), "--sequence-parallel"] if tensor_parallel > 1 else []
+    sys.argv = ["pretrain_gpt.py", *FLAGS, *tp, *mapl_flags]
     args = arguments.parse_args()
     args.params_dtype = torch.float32  # what Megatron-LM's validate_args sets without --bf16 / --fp16, and
     args.overlap_p2p_comm = False  # for the non-interleaved schedule
     global_vars.set_args(args)
     enable_cpu_runtime()
-    parallel_state.initialize_model_parallel(1, 2)
+    parallel_state.initialize_model_parallel(tensor_parallel, 2)
     model_parallel_cuda_manual_seed(args.seed)
     torch.manual_seed(args.seed)
     config = arguments.core_transformer_config_from_args(args)
@@ -145,14 +152,19 @@ def _megatron_lm_steps(
 
     def forward_step(data_iterator, model):
         sample = next(data_iterator)
-        batch = {
-            "tokens": sample[:, :-1],
-            "labels": sample[:, 1:],
-            "loss_mask": torch.ones(MICRO_BATCH, SEQ),
-            "position_ids": torch.arange(SEQ).expand(MICRO_BATCH, SEQ),
-            "attention_mask": None,
-        }
-        batch = core_utils.get_batch_on_this_tp_rank(  # as pretrain_gpt.py calls it on TP rank 0
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        batch = (
+            {  # read on TP rank 0 only, contiguous as a loader's; the others receive it (pretrain_gpt.py's get_batch)
+                "tokens": sample[:, :-1].contiguous(),
+                "labels": sample[:, 1:].contiguous(),
+                "loss_mask": torch.ones(MICRO_BATCH, SEQ),
+                "position_ids": torch.arange(SEQ).repeat(MICRO_BATCH, 1),
+                "attention_mask": None,
+            }
+            if tp_rank == 0
+            else {}
+        )
+        batch = core_utils.get_batch_on_this_tp_rank(  # as pretrain_gpt.py calls it
             batch,
             has_cu_seqlens=False,
             is_hybrid_cp=False,
@@ -160,7 +172,7 @@ def _megatron_lm_steps(
             broadcast_src_rank=parallel_state.get_tensor_model_parallel_src_rank(),
             broadcast_group=parallel_state.get_tensor_model_parallel_group(),
             cp_size=1,
-            tp_rank=0,
+            tp_rank=tp_rank,
             micro_batch_size=MICRO_BATCH,
             seq_length=SEQ,
             mtp_on_this_rank=False,
@@ -290,30 +302,34 @@ def test_a_model_config_with_variable_seq_lengths_keeps_megatron_cores_shape_mes
         run_distributed(_megatron_lm_steps, 2, fp8, 1, config_overrides=variable, timeout=240)
 
 
-@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap-grad-reduce-and-param-gather"])
-def test_the_distributed_optimizer_trains_mapl_like_ddp_and_keeps_the_pairs_anchor_tables_equal(overlap):
-    """PP=2 x DP=2, megatron-core's DistributedOptimizer against plain DDP + Adam: the same losses, U and anchor
-    tables, and both replicas of every table equal. Anchor rank 256 makes the tables larger than a data-parallel
-    shard, so the two stages split them at different elements; before the fix the pair's tables drifted apart (by
-    0.05 after 3 steps). With --overlap-param-gather every read of the anchors waits for their all-gather."""
+@pytest.mark.parametrize(
+    "tp, overlap", [(1, False), (1, True), (2, False)], ids=["sync", "overlap-grad-reduce-and-param-gather", "tp2-sp"]
+)
+def test_the_distributed_optimizer_trains_mapl_like_ddp_and_keeps_the_pairs_anchor_tables_equal(tp, overlap):
+    """PP=2 x DP=2 (x TP=2 with SP), megatron-core's DistributedOptimizer against plain DDP + Adam: the same losses,
+    U and anchor tables, and every replica of every table equal. Anchor rank 256 makes the tables larger than a
+    data-parallel shard, so the two stages split them at different elements; before the fix the pair's tables
+    drifted apart (by 0.05 after 3 steps). With --overlap-param-gather every read of the anchors waits for their
+    all-gather."""
     flags = ["--mapl-ratio", "8", "--mapl-anchor-rank", "256", "--mapl-anchor-init", "random"]
-    ddp = run_distributed(_megatron_lm_steps, 4, flags, 3, timeout=240)
+    world = 4 * tp  # stage 0: the first half of the ranks, stage 1 the second
+    ddp = run_distributed(_megatron_lm_steps, world, flags, 3, tensor_parallel=tp, timeout=240)
     sharded = run_distributed(
-        _megatron_lm_steps, 4, flags, 3, distributed_optimizer=True, overlap=overlap, timeout=240
+        _megatron_lm_steps, world, flags, 3, distributed_optimizer=True, overlap=overlap, tensor_parallel=tp,
+        timeout=240,
     )  # fmt: skip
-    ranks = [0, 1, 2, 3]  # stage 0: ranks 0, 1 (data-parallel ranks 0, 1); stage 1: ranks 2, 3
-    for rank in ranks:
+    names = ("anchor_embedding", "anchor_basis", "anchor_position", "projection")
+    for rank in range(world):
         assert sharded[rank]["losses"] == pytest.approx(ddp[rank]["losses"], rel=1e-6)
         for key, value in sharded[rank]["saved"].items():
-            name = key.split(".", 1)[1]
-            if name in ("anchor_embedding", "anchor_basis", "anchor_position", "projection"):
+            if key.split(".", 1)[1] in names:
                 assert (value - ddp[rank]["saved"][key]).abs().max() < 1e-6, (rank, key)
-    tables = [{k.split(".", 1)[1]: v for k, v in sharded[rank]["saved"].items()} for rank in ranks]
-    for name in ("anchor_embedding", "anchor_basis", "anchor_position", "projection"):
+    tables = [{k.split(".", 1)[1]: v for k, v in result["saved"].items()} for result in sharded]
+    for name in names:
         assert all(torch.equal(tables[0][name], table[name]) for table in tables), name
     if overlap:  # the receiver reads its anchors first thing in the step, long before its bucket's other params
         assert all(result["anchor_reads_in_flight"] == 0 for result in sharded)
-        assert sharded[2]["anchor_reads"] > 0
+        assert sharded[world // 2]["anchor_reads"] > 0
 
 
 def test_mapl_at_full_width_trains_like_megatron_lm_without_it():
