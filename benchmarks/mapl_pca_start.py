@@ -44,13 +44,13 @@ def _record_second_moments(moments: dict) -> None:
     """Wrap the sender's projection so each training forward adds E[x x^T] of its input to ``moments``."""
     project = BoundaryCodec.project
 
-    def recording_project(self, hidden, tokens, positions=None):
+    def recording_project(self, hidden, tokens, positions=None, previous=None):
         if torch.is_grad_enabled():
             with torch.no_grad():
-                anchors = self(tokens, positions, None)
+                anchors = self(tokens, positions, previous)
                 x = (hidden.float() if anchors is None else hidden.float() - anchors).reshape(-1, self.hidden_size)
                 moments[self.boundary] = moments.get(self.boundary, 0) + x.T @ x / x.shape[0]
-        return project(self, hidden, tokens, positions)
+        return project(self, hidden, tokens, positions, previous)
 
     BoundaryCodec.project = recording_project
 
