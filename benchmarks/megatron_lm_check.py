@@ -8,6 +8,7 @@ file by path: there megatron_taco must be importable (``pip install -e .`` or th
 
 Every row is one ``torchrun --nproc-per-node 2`` run of Megatron-LM's ``pretrain_gpt.py`` with
 ``--mock-data`` (TP=2 + sequence parallelism, or PP=2 with 4 micro-batches per step for the MAPL rows;
+``--suite four-gpu``: PP=2 x DP=2 with the distributed optimizer, 4 ranks;
 8 layers, hidden 2048, sequence 2048, micro-batch 4):
 through ``python -m megatron_taco.launch`` or through a copy of the checkout patched by
 ``scripts/apply_patch.sh``. A row's speed is the median of Megatron-LM's own "elapsed time per
@@ -144,6 +145,8 @@ class Row:
     repeats: int = 1
     iters: int = 20
     pipeline: int = 1  # 1: TP=2 + SP; 2: PP=2 (TP=1, 4 micro-batches per step)
+    # 2: PP=2 x DP=2 on 4 GPUs with --use-distributed-optimizer, --overlap-grad-reduce and --overlap-param-gather
+    data_parallel: int = 1
     resume: bool = False  # stop at half the iterations with --save, then --load and finish (MAPL state restored?)
     mapl: str = (
         "none"  # none | 1 (--mapl-ratio 1: lossless, checks the plumbing) | 8 | 8-vq (--mapl-vq-levels 2) | 8-fixed
@@ -154,16 +157,34 @@ class Row:
         if self.taco == "none" and self.mapl == "none" and self.path == "launcher":
             return None
         return _name(
-            self.link, self.model, self.impl, self.precision, "none", pipeline=self.pipeline, release=self.release
+            self.link,
+            self.model,
+            self.impl,
+            self.precision,
+            "none",
+            pipeline=self.pipeline,
+            release=self.release,
+            data_parallel=self.data_parallel,
         )
 
 
 def _name(
-    link, model, impl, precision, taco, pipeline=1, mapl="none", resume=False, path="launcher", release="0.19"
+    link,
+    model,
+    impl,
+    precision,
+    taco,
+    pipeline=1,
+    mapl="none",
+    resume=False,
+    path="launcher",
+    release="0.19",
+    data_parallel=1,
 ) -> str:
     return (
         f"{link}-{model}-{impl}-{precision}-{taco}"
         + (f"-pp{pipeline}" if pipeline > 1 else "")
+        + (f"-dp{data_parallel}-distopt" if data_parallel > 1 else "")
         + (f"-mapl{mapl}" if mapl != "none" else "")
         + ("-resume" if resume else "")
         + ("-patch" if path == "patch" else "")
@@ -172,7 +193,7 @@ def _name(
 
 
 def _row(link, model, impl, precision, taco, **kw) -> Row:
-    naming = {k: v for k, v in kw.items() if k in ("pipeline", "mapl", "resume", "path", "release")}
+    naming = {k: v for k, v in kw.items() if k in ("pipeline", "mapl", "resume", "path", "release", "data_parallel")}
     return Row(_name(link, model, impl, precision, taco, **naming), model, impl, precision, taco, link, **kw)
 
 
@@ -234,6 +255,12 @@ ROWS = [
     _row("nvlink", "gpt", "te", "bf16", "none", pipeline=2, mapl="8"),
     _row("socket", "gpt", "local", "bf16", "none", pipeline=2, release="0.16"),
     _row("socket", "gpt", "local", "bf16", "none", pipeline=2, mapl="8", release="0.16"),
+    # 4 GPUs, PP=2 x DP=2, the distributed optimizer with overlapped gradient reduce and parameter gather: MAPL at
+    # r = d must train as uncompressed (its anchors' gradient shards gathered over DP, tests/test_megatron_lm_mapl.py
+    # on CPU), and at 8x
+    _row("socket", "gpt", "te", "bf16", "none", pipeline=2, data_parallel=2),
+    _row("socket", "gpt", "te", "bf16", "none", pipeline=2, data_parallel=2, mapl="1"),
+    _row("socket", "gpt", "te", "bf16", "none", pipeline=2, data_parallel=2, mapl="8"),
     # one GPU, both ranks on it over gloo: the user's paths run and train (losses, start-up lines), no speed
     _row(ONE_GPU, "gpt", "te", "bf16", "none"),
     _row(ONE_GPU, "gpt", "te", "bf16", "int8"),
@@ -280,7 +307,8 @@ SUITES = {
         "socket-qwen-te-bf16-int8",
     ],
     ONE_GPU: [row.name for row in ROWS if row.link == ONE_GPU],
-    "all": [row.name for row in ROWS if row.link != ONE_GPU],
+    "four-gpu": [row.name for row in ROWS if row.data_parallel > 1],
+    "all": [row.name for row in ROWS if row.link != ONE_GPU and row.data_parallel == 1],
 }
 PARALLEL = {
     1: [
@@ -293,6 +321,10 @@ PARALLEL = {
         "4",
     ],
     2: ["--pipeline-model-parallel-size", "2", "--micro-batch-size", "4", "--global-batch-size", "16"],
+}
+DATA_PARALLEL = {  # on top of PARALLEL: the same 4 micro-batches per rank and step
+    1: [],
+    2: ["--global-batch-size", "32", "--use-distributed-optimizer", "--overlap-grad-reduce", "--overlap-param-gather"],
 }
 # TACO settings by row name: a --taco-mode, a 4-bit forward with FP8 gradients, that with the edge layers at FP8, and
 # that switched to FP8 after iteration 10
@@ -325,6 +357,7 @@ def command(row: Row, checkout: str, port: int) -> List[str]:
     flags = [
         *MODELS[row.model],
         *PARALLEL[row.pipeline],
+        *DATA_PARALLEL[row.data_parallel],  # a later --global-batch-size wins in argparse
         *COMMON,
         *IMPLS[row.impl],
         *PRECISIONS[row.precision],
@@ -335,12 +368,14 @@ def command(row: Row, checkout: str, port: int) -> List[str]:
     ]
     if row.link == ONE_GPU:
         flags[flags.index("--distributed-backend") + 1] = "gloo"
-    return torchrun(port, *entry, *flags)
+    return torchrun(port, *entry, *flags, ranks=2 * row.data_parallel)
 
 
-def torchrun(port: int, *args: str) -> List[str]:
-    """``torchrun`` of two ranks on this host with the rendezvous port chosen before the fork."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port), *args]
+def torchrun(port: int, *args: str, ranks: int = 2) -> List[str]:
+    """``torchrun`` of ``ranks`` ranks on this host with the rendezvous port chosen before the fork."""
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(port), *args
+    ]  # fmt: skip
 
 
 _ITER_MS = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration \(ms\): ([\d.]+)")
