@@ -261,12 +261,16 @@ def _switch_before_forward(model, cfg, stage: str, log: bool) -> None:
     """--taco-switch: before each forward, Megatron-LM's ``args.curr_iteration`` (the iterations done) decides."""
     from megatron.training import get_args
 
+    from megatron_taco.comm import SettingsMismatchError
     from megatron_taco.megatron.attach import TacoSwitch
 
     switch = TacoSwitch([model], cfg)
 
     def before_forward(module, inputs):
-        attached = switch(getattr(get_args(), "curr_iteration", 0))
+        try:
+            attached = switch(getattr(get_args(), "curr_iteration", 0))
+        except (ValueError, SettingsMismatchError) as exc:  # as at model build: one line, not a traceback per rank
+            _fail(f"--taco-switch: {exc}")
         if attached is None:
             return
         handle.remove()  # switched once: no check left on later forwards

@@ -101,8 +101,11 @@ def test_launcher_resolves_last_to_the_models_last_layer(tmp_path):
 
 def test_launcher_switches_settings_after_the_iteration(tmp_path):
     """--taco-switch: INT4 forward traffic until iteration 5, then FP8; the edge override follows the new flags.
-    The stand-in runs forward passes with args.curr_iteration set first, as Megatron-LM 0.19's train() does."""
+    The stand-in runs forward passes with args.curr_iteration set first, as Megatron-LM 0.19's train() does. Every
+    message compressed (--taco-min-bytes 0) before the switch too: re-attaching after compressed row-linear
+    forwards once refused proj and fc2 as expert linears."""
     flags = ["--taco-mode", "int4-ash", "--taco-bwd-mode", "fp8-ash", "--taco-override", "1:mode=fp8-ash"]
+    flags += ["--taco-min-bytes", "0"]
     proc, report = _launch(tmp_path, *flags, "--taco-switch", "5:mode=fp8-ash", "--train-iters", "10")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert report["fc2_fwd_format_at"] == {

@@ -11,8 +11,9 @@ TE's fused-ops MLP, other linear types) keep running stock, and :class:`Attached
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
-from typing import Dict, Iterable, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -106,6 +107,7 @@ def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> 
         "--taco-chunk-bytes": str(config.chunk_bytes),
     }
     tp_group = None  # the linears' tensor-parallel group, where the plans are compared
+    installs: List[Callable[[], None]] = []  # run once the plans agree (a refusal on one rank would hang the others)
 
     def linear_compression(settings: LinearSettings, layer_number: int, name: str) -> Optional[LinearCompression]:
         def codec(direction: str) -> Optional[TacoCodec]:
@@ -162,7 +164,7 @@ def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> 
                 )
                 tp_group = tp_group if tp_group is not None else getattr(linear, "tp_group", None)
                 if isinstance(linear, (ColumnParallelLinear, RowParallelLinear)):
-                    compress_local_linear(linear, cfg)
+                    installs.append(functools.partial(compress_local_linear, linear, cfg))
                 elif linear is not None and is_te_linear(linear):
                     entry = te_modules.setdefault(id(linear), [linear, None, None])
                     entry[1 if name in ("qkv", "fc1") else 2] = cfg
@@ -172,11 +174,14 @@ def attach_taco(model_chunks: Iterable[torch.nn.Module], config: TacoConfig) -> 
                 if cfg is not None:
                     compressed[name].append(number)
             for module, column, row in te_modules.values():
-                compress_te_linear(module, TeCompression(column, row) if column or row else None)
+                compression = TeCompression(column, row) if column or row else None
+                installs.append(functools.partial(compress_te_linear, module, compression))
             if any(number in numbers for numbers in compressed.values()):  # a layer some linear of compresses
                 modes.setdefault(settings.describe_modes(), []).append(number)
     if tp_group is not None and dist.is_initialized() and dist.get_world_size(tp_group) > 1:
         ensure_same_plan(tp_group, plan)
+    for install in installs:
+        install()
     stock_parts = [
         f"layers {format_ranges(sorted(numbers))} {part}" if numbers else part for part, numbers in stock.items()
     ]

@@ -162,7 +162,10 @@ def compress_local_linear(linear: torch.nn.Module, cfg: Optional[LinearCompressi
         impl = _column_forward_impl
     else:
         raise TypeError(f"not a megatron-core Column/RowParallelLinear: {type(linear).__name__}")
-    if cfg is not None and getattr(linear, "explicit_expert_comm", False):
+    # the linear's own value: after a compressed forward its row path has set explicit_expert_comm for itself
+    if cfg is not None and getattr(
+        linear, "stock_explicit_expert_comm", getattr(linear, "explicit_expert_comm", False)
+    ):
         raise ValueError(
             f"{cfg.name}: an expert linear (explicit_expert_comm=True) leaves its tensor-parallel communication to "
             "the MoE token dispatcher; TACO has none of its traffic to compress"
