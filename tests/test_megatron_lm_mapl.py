@@ -67,6 +67,7 @@ def _megatron_lm_steps(
     distributed_optimizer=False,
     overlap=False,
     tensor_parallel=1,
+    reload_after=None,
 ):
     """``rerun_steps``: the steps whose forward-backward runs twice on the same micro-batches, each run after zeroing
     the gradients, as ``train_step``'s loop does when Megatron-LM's rerun state machine re-runs a step.
@@ -74,7 +75,8 @@ def _megatron_lm_steps(
     megatron-core's DistributedOptimizer (gradients reduce-scattered over data-parallel ranks, each updating its
     shard). ``overlap``: with it, --overlap-grad-reduce and --overlap-param-gather in buckets of 4096 elements, and
     each read of the anchors checks that no all-gather of their parameters is in flight. Data-parallel ranks draw
-    their own micro-batches; the stages of a pipeline the same. ``tensor_parallel`` > 1: with --sequence-parallel."""
+    their own micro-batches; the stages of a pipeline the same. ``tensor_parallel`` > 1: with --sequence-parallel.
+    ``reload_after``: after that step the optimizer loads its own state dict (as a checkpoint load calls it)."""
     import sys
 
     from megatron.core import parallel_state
@@ -211,6 +213,8 @@ def _megatron_lm_steps(
         shapes += sorted({shape for _, _, shape in sent})
         updated, _, _ = optimizer.step()
         assert updated
+        if step == reload_after:
+            optimizer.load_state_dict(optimizer.state_dict())
         if last:
             losses.append(float(torch.stack([r["lm loss"] for r in reports]).mean()))
     if overlap:  # the last step's all-gather waits for the next forward: Megatron-LM forces it before a save
@@ -330,6 +334,18 @@ def test_the_distributed_optimizer_trains_mapl_like_ddp_and_keeps_the_pairs_anch
     if overlap:  # the receiver reads its anchors first thing in the step, long before its bucket's other params
         assert all(result["anchor_reads_in_flight"] == 0 for result in sharded)
         assert sharded[world // 2]["anchor_reads"] > 0
+
+
+def test_the_pairs_anchor_tables_stay_equal_after_the_distributed_optimizer_loads_its_state():
+    """megatron-core's DistributedOptimizer.load_state_dict without Apex / TE (torch's Adam) gives every parameter
+    one shared ``step`` tensor, which each later step then advances once per parameter a rank holds: the two stages'
+    owners of an anchor element counted other steps, bias-corrected differently and their tables drifted apart
+    (found by review, 2026-12-05). MAPL gives each parameter its own step again."""
+    flags = ["--mapl-ratio", "8", "--mapl-anchor-rank", "256", "--mapl-anchor-init", "random"]
+    results = run_distributed(_megatron_lm_steps, 4, flags, 3, distributed_optimizer=True, reload_after=0, timeout=240)
+    tables = [{k.split(".", 1)[1]: v for k, v in result["saved"].items()} for result in results]
+    for name in ("anchor_embedding", "anchor_basis", "anchor_position", "projection"):
+        assert all(torch.equal(tables[0][name], table[name]) for table in tables), name
 
 
 def test_mapl_at_full_width_trains_like_megatron_lm_without_it():

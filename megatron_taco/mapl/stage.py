@@ -333,6 +333,9 @@ class MaplSync:
         then the codebook step after every step (its rows in ``codebook_rows``)."""
         self.codebook_rows = 0
         self.anchor_shards = _anchor_shards(optimizer, self.boundaries)
+        for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
+            if hasattr(sub, "model_param_gbuf_map"):
+                _one_step_count_per_parameter_after_loads(sub)
 
         def codebooks(updated: bool) -> None:
             self.codebook_rows = self.codebook_step(updated)
@@ -390,6 +393,24 @@ def _anchor_shards(optimizer: Any, boundaries: List[BoundaryCodec]) -> Dict[torc
                 owned = sub._get_model_param_range_map(param)["param"]
                 shards[param] = (owned.start, owned.end)
     return shards
+
+
+def _one_step_count_per_parameter_after_loads(optimizer: Any) -> None:
+    """megatron-core's DistributedOptimizer.load_state_dict, without Apex / TE (torch's Adam), gives every parameter
+    the same ``step`` tensor; each step then advances it once per parameter this rank holds, so ranks bias-correct
+    with other counts. Owners of the two replicas of an anchor element sit on different ranks, whose tables then
+    drift apart: after every load each parameter gets its own copy again."""
+    load = optimizer.load_state_dict
+
+    @functools.wraps(load)
+    def load_state_dict(*args, **kwargs):
+        result = load(*args, **kwargs)
+        for state in optimizer.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+        return result
+
+    optimizer.load_state_dict = load_state_dict
 
 
 def step_projections_with(
