@@ -6,7 +6,7 @@
 from the repository root, or ``bash scripts/megatron_lm_check.sh /path/to/Megatron-LM [flags]``, which runs this
 file by path: there megatron_taco must be importable (``pip install -e .`` or the repository on PYTHONPATH).
 
-Every row is one ``torchrun --nproc-per-node 2`` run of Megatron-LM's ``pretrain_gpt.py`` with
+Every row is one ``torchrun --nproc-per-node 2`` (4 for ``--suite four-gpu``) run of Megatron-LM's ``pretrain_gpt.py`` with
 ``--mock-data`` (TP=2 + sequence parallelism, or PP=2 with 4 micro-batches per step for the MAPL rows;
 ``--suite four-gpu``: PP=2 x DP=2 with the distributed optimizer, 4 ranks;
 8 layers, hidden 2048, sequence 2048, micro-batch 4):
@@ -541,7 +541,8 @@ def write_report(results: List[Dict], path: str, meta: Dict) -> None:
         f"{meta['hardware']}; {meta['versions']}; {meta['date']}.",
         "",
         "TP=2 + SP (micro-batch 4 = 8192 tokens/iteration) or, for the `pp2` rows, PP=2 with TP=1 (4 micro-batches "
-        "of 4 per iteration = 32768 tokens/iteration); 8 layers, hidden 2048, sequence 2048, `--mock-data`, "
+        "of 4 per iteration = 32768 tokens/iteration; the `dp2` rows: PP=2 x DP=2 on 4 GPUs with the distributed "
+        "optimizer, 65536 tokens/iteration); 8 layers, hidden 2048, sequence 2048, `--mock-data`, "
         "20 iterations, bf16 parameters. ms/iter: median of Megatron-LM's logged per-interval times for iterations "
         f"{WARMUP_ITERS + 1}-20 (log interval 5), then the median over runs where runs > 1 (A-B-A order with the "
         "baseline). Ratio: tokens/s against the uncompressed run of the same implementation, precision, model, "
@@ -583,6 +584,7 @@ def write_report(results: List[Dict], path: str, meta: Dict) -> None:
             mapl_line = entry["runs"][-1].get("mapl_telemetry") or ""
             telemetry = mapl_line.split(": ", 1)[-1].split(";")[0] if mapl_line else "-"
         layout = "TP=2+SP" if pipeline == 1 else f"PP={pipeline}"
+        layout += f" x DP={row['data_parallel']} (distributed optimizer)" if row.get("data_parallel", 1) > 1 else ""
         out.append(
             f"| {name} | {row['path']} | {row['release']} | {row['model']} | {row['impl']} | "
             f"{row['precision']} | {row['link']} | {layout} | {row['taco']} | {mapl} | {runs} | {speed} | "
@@ -660,6 +662,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         if checkout and not os.path.isfile(os.path.join(checkout, "pretrain_gpt.py")):
             raise SystemExit(f"error: {checkout} has no pretrain_gpt.py (a Megatron-LM checkout is needed)")
     rows = [by_name[n] for n in names if checkouts[by_name[n].release]]
+    import torch
+
+    short = [r.name for r in rows if r.link != ONE_GPU and 2 * r.data_parallel > torch.cuda.device_count()]
+    if short:
+        raise SystemExit(
+            f"error: {', '.join(short)} need {max(2 * by_name[n].data_parallel for n in short)} GPUs; this machine "
+            f"has {torch.cuda.device_count()} (--suite one-gpu runs on one)"
+        )
     if args.repeats:
         rows = [dataclasses.replace(row, repeats=args.repeats) for row in rows]
     os.makedirs(args.logs, exist_ok=True)

@@ -56,9 +56,10 @@ def _rank0() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def _fail(message: str) -> "typing.NoReturn":
-    """Stop this rank with exit code 2; rank 0 prints the one line (not one per rank, no traceback)."""
-    if _rank0():
+def _fail(message: str, announce: Optional[bool] = None) -> "typing.NoReturn":
+    """Stop this rank with exit code 2; rank 0 prints the one line (not one per rank, no traceback), or the ranks
+    ``announce`` picks, for an error raised by some ranks only (e.g. one pipeline stage's tensor-parallel group)."""
+    if _rank0() if announce is None else announce:
         print(f"error: {message}", file=sys.stderr, flush=True)
     raise SystemExit(2)
 
@@ -247,9 +248,10 @@ def _patch_model_build() -> None:
                 if cfg.switch is not None:
                     _switch_before_forward(self, cfg, stage, first_of_stage)
             boundaries = mapl_hooks.attach(self)
-        except (ValueError, SettingsMismatchError) as exc:  # a ConfigError, a model TACO or MAPL cannot attach to,
-            # or tensor-parallel ranks started with different --taco-* flags
+        except ValueError as exc:  # a ConfigError, or a model TACO or MAPL cannot attach to
             _fail(str(exc))
+        except SettingsMismatchError as exc:  # this TP group's ranks started with different --taco-* flags
+            _fail(str(exc), announce=parallel_state.get_tensor_model_parallel_rank() == 0)
         if boundaries and first_of_stage:
             chunk = getattr(self, "vp_stage", None) or 0
             print(f"megatron_taco: MAPL ({stage}, chunk {chunk}): {boundaries}", flush=True)
@@ -259,6 +261,7 @@ def _patch_model_build() -> None:
 
 def _switch_before_forward(model, cfg, stage: str, log: bool) -> None:
     """--taco-switch: before each forward, Megatron-LM's ``args.curr_iteration`` (the iterations done) decides."""
+    from megatron.core import parallel_state
     from megatron.training import get_args
 
     from megatron_taco.comm import SettingsMismatchError
@@ -269,8 +272,10 @@ def _switch_before_forward(model, cfg, stage: str, log: bool) -> None:
     def before_forward(module, inputs):
         try:
             attached = switch(getattr(get_args(), "curr_iteration", 0))
-        except (ValueError, SettingsMismatchError) as exc:  # as at model build: one line, not a traceback per rank
+        except ValueError as exc:  # as at model build: one line, not a traceback per rank
             _fail(f"--taco-switch: {exc}")
+        except SettingsMismatchError as exc:  # this TP group's ranks switch to different settings
+            _fail(f"--taco-switch: {exc}", announce=parallel_state.get_tensor_model_parallel_rank() == 0)
         if attached is None:
             return
         handle.remove()  # switched once: no check left on later forwards
