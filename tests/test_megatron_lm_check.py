@@ -20,7 +20,8 @@ with _coalescing_manager(dist.group.WORLD, async_ops=False):
     for tensor in tensors:
         dist.all_reduce(tensor)
 # PP=2's exchange: each rank sends its tensor and receives the other's in one batch (Megatron-LM's p2p pattern)
-mine, theirs = torch.arange(4.0) + 100 * rank, torch.zeros(4)
+# (the schedule's receive buffers require grad, as megatron-core's p2p_communication makes them)
+mine, theirs = torch.arange(4.0) + 100 * rank, torch.zeros(4, requires_grad=True)
 requests = dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, 1 - rank), dist.P2POp(dist.irecv, theirs, 1 - rank)])
 for request in requests:
     request.wait()

@@ -55,8 +55,9 @@ if os.environ.get("MEGATRON_TACO_ONE_GPU") == "1":
 
         def wait(self, timeout=None):
             self._request.wait() if timeout is None else self._request.wait(timeout)
-            for tensor, host in zip(self._tensors, self._host):
-                tensor.copy_(host)
+            with torch.no_grad():  # the schedule's receive buffers are leaves that require grad
+                for tensor, host in zip(self._tensors, self._host):
+                    tensor.copy_(host)
             return True
 
         def __getattr__(self, name):  # is_completed, exception, ...: the gloo request's
