@@ -269,6 +269,8 @@ ROWS = [
     _row(ONE_GPU, "gpt", "local", "bf16", "int8"),
     _row(ONE_GPU, "gpt", "te", "fp8", "none"),
     _row(ONE_GPU, "gpt", "te", "fp8", "int8"),
+    # INT4 forward under TE FP8 training: TACO takes TE's FP8 all-gathers (4-bit is fewer bytes), TE's quantizer casts
+    _row(ONE_GPU, "gpt", "te", "fp8", "int4-ash-edges"),
     _row(ONE_GPU, "qwen", "te", "bf16", "none"),
     _row(ONE_GPU, "qwen", "te", "bf16", "int8"),
     # PP=2 and MAPL: gloo sends CUDA tensors point to point only through the shim's host buffers (the first try,

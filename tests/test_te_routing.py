@@ -84,7 +84,7 @@ def test_start_up_note_names_te_fp8_and_fp4_gathers_under_sequence_parallelism()
         )
 
     assert quantized_gathers_note(config(fp8="hybrid", sequence_parallel=True)).startswith(
-        "; under --fp8-format Transformer Engine sends the all-gathers of its FP8 layers itself, quantized"
+        "; under --fp8-format TACO's 4-bit modes take Transformer Engine's FP8 all-gathers"
     )
     assert quantized_gathers_note(config(fp4="e2m1", sequence_parallel=True)).startswith("; under --fp4-format")
     assert quantized_gathers_note(config(fp8="hybrid")) == ""  # no SP: TE all-reduces in bf16, TACO's
@@ -129,3 +129,82 @@ def test_messages_below_min_bytes_take_tes_own_collective():
     collective, with its async handle (TE overlaps it with compute), and is counted as sent uncompressed."""
     own, record = run_distributed(_below_min_bytes, 2, timeout=120)[0]
     assert own and record == (1, 0, 16 * 2 * 256 * 4)
+
+
+class Float8CurrentScalingQuantizer:
+    """Stands in for TE's quantizer of that name (TE needs CUDA): records what it casts, returns it marked."""
+
+    def __init__(self):
+        self.cast = []
+
+    def __call__(self, tensor):
+        self.cast.append(tensor.shape)
+        return ("quantized", tensor)
+
+
+class Float8TensorStorage:
+    """Stands in for TE's FP8 tensor: a local input TE cast before its all-gather."""
+
+    def __init__(self, values):
+        self.values, self._dtype, self.device = values, values.dtype, values.device
+
+    def size(self, *args):
+        return self.values.size(*args)
+
+    def dequantize(self):
+        return self.values
+
+
+def _fp8_gathers():
+    import torch.distributed as dist
+
+    from megatron_taco.codec import TacoCodec
+    from megatron_taco.megatron import te_linears
+    from megatron_taco.megatron.taco_linears import LinearCompression
+    from megatron_taco.megatron.telemetry import TELEMETRY
+
+    calls = []
+
+    def gather_along_first_dim(
+        inp, process_group, async_op=False, quantizer=None, output_tensor=None, external_coalescing=False
+    ):
+        calls.append("original")
+        return inp, None
+
+    gather = te_linears._intercept(
+        "transformer_engine.pytorch.module.linear", "gather_along_first_dim", gather_along_first_dim
+    )
+    x = torch.randn(16, 2, 256, generator=torch.Generator().manual_seed(dist.get_rank()))
+    stock = torch.empty(32, 2, 256)
+    dist.all_gather_into_tensor(stock, x)
+    results = {}
+    # a message of 16 x 2 x 256 fp32 values is 32 KiB: "int4-above" (--taco-min-bytes 1G) sends it uncompressed
+    for mode, fmt, min_bytes in (("int4", "int4", 0), ("fp8", "e4m3", 0), ("int4-above", "int4", 2**30)):
+        codec = TacoCodec(fmt=fmt)
+        te_linears._ACTIVE.settings = te_linears.TeCompression(
+            column=LinearCompression(f"layer 1 {mode}", codec, None, min_bytes, 0)
+        )
+        te_linears._ACTIVE.backward = False
+        TELEMETRY.reset()
+        quantizer, calls[:] = Float8CurrentScalingQuantizer(), []
+        plain, _ = gather(x, dist.group.WORLD, quantizer=quantizer)  # TE casts after (MXFP8-like call)
+        cast_before, _ = gather(Float8TensorStorage(x), dist.group.WORLD, quantizer=quantizer)  # TE cast it already
+        record = TELEMETRY.records[(f"layer 1 {mode}", "all_gather", "fwd")]
+        errors = [
+            float((out[1] - stock).norm() / stock.norm()) if isinstance(out, tuple) else None
+            for out in (plain, cast_before)
+        ]
+        results[mode] = (list(calls), quantizer.cast, record.compressed_calls, record.te_calls, errors)
+    te_linears._ACTIVE.settings = None
+    return results
+
+
+def test_four_bit_modes_take_te_fp8_gathers_and_eight_bit_modes_leave_them():
+    results = run_distributed(_fp8_gathers, 2, timeout=120)[0]
+    calls, cast, compressed, by_te, errors = results["int4"]  # 4-bit: fewer bytes than TE's FP8, TACO gathers
+    assert calls == [] and cast == [torch.Size([32, 2, 256])] * 2 and (compressed, by_te) == (2, 0)
+    assert all(0.05 < error < 0.2 for error in errors), errors  # INT4's error on Gaussian values, then TE casts
+    calls, cast, compressed, by_te, errors = results["fp8"]  # 8-bit: no fewer bytes, TE's own FP8 all-gather
+    assert calls == ["original"] * 2 and cast == [] and (compressed, by_te) == (0, 2)
+    calls, cast, compressed, by_te, errors = results["int4-above"]  # TACO would send it uncompressed: TE's
+    assert calls == ["original"] * 2 and cast == [] and (compressed, by_te) == (0, 2)

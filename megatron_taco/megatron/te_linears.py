@@ -21,9 +21,11 @@ reduce-scatter / all-reduce          forward: output of the row linear; backward
                                      the column linear
 ===================================  ==========================================================
 
-Left to TE: all-gathers TE does in FP8 / FP4 (a quantizer is given, or the input is already a quantized
-tensor: with ``--fp8-format`` training TE's all-gathers already travel in FP8; the telemetry counts them
-apart and the start-up line says so), and calls with preallocated outputs or coalescing. Userbuffers
+TE's quantized all-gathers (``--fp8-format`` / ``--fp4-format`` training: a quantizer is given, or the input
+is already a quantized tensor) stay TE's, counted apart in the telemetry, unless TACO's codec for the message
+sends fewer bytes than TE's one byte per value (TACO's 4-bit modes under FP8): then TACO gathers the values
+(dequantized where TE had cast them already) and TE's quantizer casts what arrives, so the GEMM gets the
+quantized tensor it expects. Left to TE: calls with preallocated outputs or coalescing. Userbuffers
 (``--tp-comm-overlap``) bypass these functions; the flag check refuses that combination.
 """
 
@@ -33,6 +35,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import math
 import threading
 from typing import Any, Callable, Optional
 
@@ -88,6 +91,24 @@ def _owner(te_file: str, collective: Callable) -> tuple:
     return settings.row, "fwd"
 
 
+# TE quantizers whose all-gathers carry one byte per value (and their scales)
+_ONE_BYTE_QUANTIZERS = ("Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8BlockQuantizer", "MXFP8Quantizer")
+
+
+def _takes_over(cfg: LinearCompression, direction: str, quantizer: Any, inp: Any, group: Any) -> bool:
+    """Whether TACO sends a quantized all-gather of TE's itself: TE's format has one byte per value, TACO's codec
+    sends fewer (its 4-bit modes under ``--fp8-format``) and the message reaches ``--taco-min-bytes`` (below it, or
+    with compression off on NVLink, TACO would send the values uncompressed: twice TE's bytes). Then TACO gathers
+    the values and ``quantizer`` casts what arrives, as TE does for the formats it gathers in high precision."""
+    codec = cfg.codec(direction)
+    if codec is None or type(quantizer).__name__ not in _ONE_BYTE_QUANTIZERS:
+        return False
+    numel = math.prod(inp.size())
+    dtype = inp.dtype if type(inp) is torch.Tensor else inp._dtype  # a TE quantized tensor's nominal dtype
+    min_bytes = cfg.options(group, inp.device).min_bytes
+    return codec.compressed_nbytes(numel) < numel and numel > 0 and numel * dtype.itemsize >= min_bytes
+
+
 def _intercept(te_file: str, name: str, original: Callable) -> Callable:
     collective = _COLLECTIVES[name]
     signature = inspect.signature(original)
@@ -104,11 +125,15 @@ def _intercept(te_file: str, name: str, original: Callable) -> Callable:
         cfg, direction = (None, None) if preallocated else _owner(te_file, collective)
         if cfg is None:
             return original(*args, **kwargs)
-        if bound.get("quantizer") is not None or type(inp) is not torch.Tensor:  # TE's FP8 / FP4 all-gather
+        group = list(bound.values())[1] if len(bound) > 1 else None
+        quantizer = bound.get("quantizer")
+        if quantizer is not None or type(inp) is not torch.Tensor:  # TE's FP8 / FP4 all-gather
+            if _takes_over(cfg, direction, quantizer, inp, group):
+                high = inp if type(inp) is torch.Tensor else inp.dequantize()  # TE's activation dtype
+                return quantizer(cfg.run(collective, high.contiguous(), group, direction)), None
             if cfg.codec(direction) is not None:
                 TELEMETRY.record_sent_by_te((cfg.name, collective.__name__, direction))
             return original(*args, **kwargs)
-        group = list(bound.values())[1] if len(bound) > 1 else None
         if not comm.compresses(inp, cfg.codec(direction), cfg.options(group, inp.device)):
             # TACO would send it as it is: TE's own collective, with TE's overlap of it (async handles)
             TELEMETRY.record_uncompressed((cfg.name, collective.__name__, direction), inp.numel() * inp.element_size())
@@ -180,11 +205,18 @@ def compress_te_linear(module: torch.nn.Module, settings: Optional[TeCompression
 
 def quantized_gathers_note(config: Any) -> str:
     """The start-up line's note for TE FP8 / FP4 training under sequence parallelism (``config``: the model's
-    TransformerConfig): TE all-gathers in its own quantized format, so TACO carries only the reduce-scatters."""
-    flag = "--fp8-format" if getattr(config, "fp8", None) else "--fp4-format" if getattr(config, "fp4", None) else None
-    if flag is None or not getattr(config, "sequence_parallel", False):
+    TransformerConfig): who sends the all-gathers TE would send quantized."""
+    if not getattr(config, "sequence_parallel", False):
         return ""
-    return (
-        f"; under {flag} Transformer Engine sends the all-gathers of its {flag[2:5].upper()} layers itself, quantized "
-        "(the telemetry counts them apart): TACO compresses the reduce-scatters"
-    )
+    if getattr(config, "fp8", None):
+        return (
+            "; under --fp8-format TACO's 4-bit modes take Transformer Engine's FP8 all-gathers of compressed messages "
+            "(TACO gathers, TE's quantizer casts what arrives), its 8-bit modes leave them to TE (counted apart in the "
+            "telemetry)"
+        )
+    if getattr(config, "fp4", None):
+        return (
+            "; under --fp4-format Transformer Engine sends the all-gathers of its FP4 layers itself (counted apart in "
+            "the telemetry): TACO compresses the reduce-scatters"
+        )
+    return ""
