@@ -351,3 +351,21 @@ def test_every_launch_shape_writes_the_reference_bytes(settings, launch, monkeyp
         tri.decompress_rows(messages.to(DEVICE), got)
         assert torch.equal(expected.isnan(), got.cpu().isnan())
         assert torch.equal(expected.nan_to_num(0.0), got.cpu().nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("fmt", ["e2m1", "int4"])
+@pytest.mark.parametrize("transform,scales,group", [("ash", "e8m0", 32), ("none", "fp32", 128), ("ash", "e4m3", 16)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_stochastic_rounding_writes_the_reference_bytes_call_after_call(fmt, transform, scales, group, dtype):
+    """Stochastic rounding (gradient traffic) on the kernels' device: each call's noise, drawn from a hash of
+    (seed, call, element), rounds to the reference's codes, bit for bit, call after call."""
+    settings = dict(group_size=group, fmt=fmt, transform=transform, scales=scales, rounding="stochastic", seed=11)
+    reference_codec, triton_codec = TacoCodec(backend="torch", **settings), TacoCodec(backend="triton", **settings)
+    rows = torch.cat([_input("student_t3", 8 * 1024, seed=4), _input("near_zero_outliers", 8 * 1024, seed=5)])
+    rows = rows.to(dtype).reshape(4, -1)
+    messages = []
+    for call in range(3):
+        messages.append(reference_codec.compress_rows(rows.cpu()))
+        got = triton_codec.compress_rows(rows)
+        assert torch.equal(got.cpu(), messages[-1]), f"call {call}: {(got.cpu() != messages[-1]).sum()} bytes differ"
+    assert not torch.equal(messages[0], messages[1])  # new noise each call
