@@ -458,11 +458,10 @@ def _compress_kernel(
             offsets = _to_rows(_tile_offsets(groups, G, THREADS, X_VEC), BLOCK_G, G)
             index = (row * (n_groups * G) + offsets) & 0xFFFFFFFF  # element of this call, rows padded to groups
             magnitude = _stochastic_magnitude(tl.abs(q), _uniform_noise(index ^ seed), CODE_KIND == 3, FP8_MAX)
-            r = tl.where(q < 0, -magnitude, magnitude)
             if CODE_KIND == 3:
-                nibbles = r.to(tl.int32) & 0xF
-            else:
-                nibbles = _e2m1_codes(magnitude, r)
+                nibbles = tl.where(q < 0, -magnitude, magnitude).to(tl.int32) & 0xF
+            else:  # the sign bit straight from q's bits (a select on q < 0 gave +0.0 codes on the H200)
+                nibbles = _e2m1_codes(magnitude, q)
             words = _pack_nibble_words(nibbles.to(tl.uint32), BLOCK_G, G)
         elif CODE_KIND == 2:  # |clamp(q, -M, M)| in one instruction, the sign from q
             words = _pack_nibble_words(_e2m1_codes(tl.minimum(tl.abs(q), FP8_MAX), q).to(tl.uint32), BLOCK_G, G)

@@ -198,8 +198,7 @@ def _four_bit_codes(q: torch.Tensor, fmt: ElementFormat, noise: Optional[torch.T
     if fmt.integer and noise is None:
         raise ValueError("INT4 to nearest rounds the unrounded product: _integer_codes")
     if noise is not None:
-        magnitude = _stochastic_magnitude(q.abs(), noise, fmt)
-        r = torch.where(q < 0, -magnitude, magnitude)
+        r = _stochastic_magnitude(q.abs(), noise, fmt).copysign(q)  # q's sign bit, -0.0 included (as nearest)
         if fmt.integer:
             return r.to(torch.int32) & 0xF
     else:
