@@ -279,10 +279,11 @@ def test_launcher_runs_the_scripts_own_checkout_and_says_which(tmp_path):
 
 def test_every_megatron_lm_check_row_has_settings_the_flags_accept():
     """scripts/megatron_lm_check.sh runs only on the GPU machine: a row naming TACO settings that do not exist, or
-    flags the product refuses, would cost a device call to find. Here every row's --taco-* flags parse."""
+    flags the product refuses, would cost a device call to find. Here every row's --taco-* and --mapl-* flags parse."""
     import argparse
 
     from benchmarks import megatron_lm_check as check
+    from megatron_taco.config.mapl import add_mapl_args
     from megatron_taco.config.taco import add_taco_args, taco_config_from_args
 
     names = {row.name for row in check.ROWS}
@@ -290,13 +291,10 @@ def test_every_megatron_lm_check_row_has_settings_the_flags_accept():
     for row in check.ROWS:
         flags = add_taco_args(argparse.ArgumentParser()).parse_args(check.TACO[row.taco])
         taco_config_from_args(flags).for_model(8)
-    edges = taco_config_from_args(add_taco_args(argparse.ArgumentParser()).parse_args(check.TACO["int4-ash-edges"]))
-    assert [edges.for_model(8).for_layer(n).mode for n in (1, 2, 7, 8)] == [
-        "fp8-ash",
-        "int4-ash",
-        "int4-ash",
-        "fp8-ash",
-    ]
+        add_mapl_args(argparse.ArgumentParser()).parse_args(check.MAPL[row.mapl])
+    for name, edge, inner in (("int4-ash-edges", "fp8-ash", "int4-ash"), ("int4-int8-edges", "int8", "int4")):
+        edges = taco_config_from_args(add_taco_args(argparse.ArgumentParser()).parse_args(check.TACO[name]))
+        assert [edges.for_model(8).for_layer(n).mode for n in (1, 2, 7, 8)] == [edge, inner, inner, edge], name
 
 
 def test_layer_ranges_wait_for_the_model_when_the_checkpoint_gives_the_layers():

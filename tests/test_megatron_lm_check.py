@@ -89,20 +89,3 @@ def test_one_gpu_rows_get_no_speed_ratio():
     assert "ratio" not in rows["one-gpu-gpt-te-bf16-int8"]
     assert rows["socket-gpt-te-bf16-int8"]["ratio"] == 437.0 / 270.0
 
-
-def test_every_rows_taco_and_mapl_flags_parse_with_the_launchers_parser():
-    """A row's flags go to Megatron-LM's pretrain_gpt.py on a GPU machine; a typo there costs a device call. Each
-    row's TACO flags are parsed and validated here as the launcher does (its argparse group, then the config),
-    MAPL's by its argparse group, and every suite names existing rows."""
-    import argparse
-
-    from megatron_taco.config.mapl import add_mapl_args
-    from megatron_taco.config.taco import add_taco_args, taco_config_from_args
-
-    for row in check.ROWS:
-        taco = taco_config_from_args(add_taco_args(argparse.ArgumentParser()).parse_args(check.TACO[row.taco]))
-        assert taco.default.describe_modes(), row.name
-        add_mapl_args(argparse.ArgumentParser()).parse_args(check.MAPL[row.mapl])
-    names = {row.name for row in check.ROWS}
-    for suite, rows in check.SUITES.items():
-        assert set(rows) <= names, f"--suite {suite}: {sorted(set(rows) - names)}"
