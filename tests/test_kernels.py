@@ -14,7 +14,7 @@ import torch
 from megatron_taco.codec import TacoCodec, kernels, reference
 from megatron_taco.codec.format import CodecSettings
 from megatron_taco.testing import float64 as f64
-from megatron_taco.testing.tensors import DISTRIBUTIONS, near_underflow_groups
+from megatron_taco.testing.tensors import DISTRIBUTIONS, messages_with_hard_cases, near_underflow_groups
 
 if torch.cuda.is_available():
     DEVICE = "cuda"
@@ -362,10 +362,27 @@ def test_stochastic_rounding_writes_the_reference_bytes_call_after_call(fmt, tra
     settings = dict(group_size=group, fmt=fmt, transform=transform, scales=scales, rounding="stochastic", seed=11)
     reference_codec, triton_codec = TacoCodec(backend="torch", **settings), TacoCodec(backend="triton", **settings)
     rows = torch.cat([_input("student_t3", 8 * 1024, seed=4), _input("near_zero_outliers", 8 * 1024, seed=5)])
-    rows = rows.to(dtype).reshape(4, -1)
+    rows = torch.cat([rows.reshape(8, -1), messages_with_hard_cases(seed=3).reshape(3, -1).to(DEVICE)])
+    rows[0, 64:96] = -0.0  # a group of -0.0 (E2M1 keeps the sign bit of zero codes, as nearest rounding does)
+    rows = rows.to(dtype)
     messages = []
     for call in range(3):
         messages.append(reference_codec.compress_rows(rows.cpu()))
         got = triton_codec.compress_rows(rows)
         assert torch.equal(got.cpu(), messages[-1]), f"call {call}: {(got.cpu() != messages[-1]).sum()} bytes differ"
     assert not torch.equal(messages[0], messages[1])  # new noise each call
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_stochastic_rounding_keeps_int4s_largest_code(sign):
+    """INT4 rounds |q| = 7 with noise u > 1 - 2^-22 to floor(7 + u) = 8.0 in fp32: nibble 8 is -8, so a group's
+    largest value would arrive with the wrong sign. Seed 818's first call draws u = 1 - 3 * 2^-24 at element 53
+    (found by a search over seeds); that element is its group's max, so q = 7 there exactly."""
+    x = torch.randn(1, 256, generator=torch.Generator().manual_seed(0)) * 0.1
+    x[0, 53] = sign
+    settings = dict(group_size=32, fmt="int4", transform="none", scales="fp32", rounding="stochastic", seed=818)
+    expected = TacoCodec(backend="torch", **settings).compress_rows(x)
+    got = TacoCodec(backend="triton", **settings).compress_rows(x.to(DEVICE))
+    assert torch.equal(got.cpu(), expected)
+    decoded = TacoCodec(backend="torch", **settings).decompress(expected.view(-1), (256,))
+    assert decoded[53] == sign

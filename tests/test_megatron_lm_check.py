@@ -88,4 +88,3 @@ def test_one_gpu_rows_get_no_speed_ratio():
     )
     assert "ratio" not in rows["one-gpu-gpt-te-bf16-int8"]
     assert rows["socket-gpt-te-bf16-int8"]["ratio"] == 437.0 / 270.0
-

@@ -237,8 +237,8 @@ def _uniform_noise(index):
 @triton.jit
 def _stochastic_magnitude(a, u, INTEGER: tl.constexpr, MAX: tl.constexpr):
     """|q| rounded down or up to the 4-bit grid at random (``reference._stochastic_magnitude``)."""
-    if INTEGER:
-        return tl.floor(a + u)
+    if INTEGER:  # capped: 7 + u rounds to 8.0 in fp32 for u > 1 - 2^-22 (nibble 8 is -8)
+        return tl.minimum(tl.floor(a + u), MAX)
     inverse_step = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
     step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
     return tl.minimum(tl.floor(a * inverse_step + u) * step, MAX)
