@@ -292,9 +292,14 @@ def test_every_megatron_lm_check_row_has_settings_the_flags_accept():
         flags = add_taco_args(argparse.ArgumentParser()).parse_args(check.TACO[row.taco])
         taco_config_from_args(flags).for_model(8)
         add_mapl_args(argparse.ArgumentParser()).parse_args(check.MAPL[row.mapl])
-    for name, edge, inner in (("int4-ash-edges", "fp8-ash", "int4-ash"), ("int4-int8-edges", "int8", "int4")):
-        edges = taco_config_from_args(add_taco_args(argparse.ArgumentParser()).parse_args(check.TACO[name]))
-        assert [edges.for_model(8).for_layer(n).mode for n in (1, 2, 7, 8)] == [edge, inner, inner, edge], name
+    for name, edge, inner, gradients in (
+        ("int4-ash-edges", "fp8-ash", "int4-ash", "fp8-ash"),
+        ("int4-int8-edges", "int8", "int4", "int8"),
+    ):
+        layers = taco_config_from_args(add_taco_args(argparse.ArgumentParser()).parse_args(check.TACO[name]))
+        layers = [layers.for_model(8).for_layer(n) for n in (1, 2, 7, 8)]
+        assert [layer.mode_for("fwd") for layer in layers] == [edge, inner, inner, edge], name
+        assert [layer.mode_for("bwd") for layer in layers] == [gradients] * 4, name
 
 
 def test_layer_ranges_wait_for_the_model_when_the_checkpoint_gives_the_layers():
