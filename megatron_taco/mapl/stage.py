@@ -332,10 +332,10 @@ class MaplSync:
         """Tie MAPL to megatron-core's ``optimizer``: U clipped and stepped with it (:func:`step_projections_with`),
         then the codebook step after every step (its rows in ``codebook_rows``)."""
         self.codebook_rows = 0
-        self.anchor_shards = _anchor_shards(optimizer, self.boundaries)
-        for sub in getattr(optimizer, "chained_optimizers", [optimizer]):
-            if hasattr(sub, "model_param_gbuf_map"):
-                _one_step_count_per_parameter_after_loads(sub)
+        sharded = _distributed_optimizers(optimizer)
+        self.anchor_shards = _anchor_shards(sharded, self.boundaries)
+        for sub in sharded:
+            _one_step_count_per_parameter_after_loads(sub)
 
         def codebooks(updated: bool) -> None:
             self.codebook_rows = self.codebook_step(updated)
@@ -379,10 +379,16 @@ class MaplSync:
         return rows
 
 
-def _anchor_shards(optimizer: Any, boundaries: List[BoundaryCodec]) -> Dict[torch.nn.Parameter, Tuple[int, int]]:
-    """Under megatron-core's DistributedOptimizer: each anchor parameter's range of elements this data-parallel rank
-    owns ((0, 0): none). Empty for the other optimizers (every rank's gradient is fully DP-reduced)."""
-    sharded = [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if hasattr(o, "model_param_gbuf_map")]
+def _distributed_optimizers(optimizer: Any) -> List[Any]:
+    """The megatron-core DistributedOptimizers in ``optimizer`` (itself, or those it chains): they shard state and
+    gradients over data-parallel ranks."""
+    return [o for o in getattr(optimizer, "chained_optimizers", [optimizer]) if hasattr(o, "model_param_gbuf_map")]
+
+
+def _anchor_shards(sharded: List[Any], boundaries: List[BoundaryCodec]) -> Dict[torch.nn.Parameter, Tuple[int, int]]:
+    """Under megatron-core's DistributedOptimizers ``sharded``: each anchor parameter's range of elements this
+    data-parallel rank owns ((0, 0): none). Empty for the other optimizers (every rank's gradient is fully
+    DP-reduced)."""
     if not sharded:
         return {}
     shards = {}
