@@ -237,11 +237,13 @@ def _uniform_noise(index):
 @triton.jit
 def _stochastic_magnitude(a, u, INTEGER: tl.constexpr, MAX: tl.constexpr):
     """|q| rounded down or up to the 4-bit grid at random (``reference._stochastic_magnitude``)."""
-    if INTEGER:  # capped: 7 + u rounds to 8.0 in fp32 for u > 1 - 2^-22 (nibble 8 is -8)
-        return tl.minimum(tl.floor(a + u), MAX)
-    inverse_step = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
-    step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
-    return tl.minimum(tl.floor(a * inverse_step + u) * step, MAX)
+    if INTEGER:
+        rounded = tl.floor(a + u)
+    else:
+        inverse_step = tl.where(a < 2.0, 2.0, tl.where(a < 4.0, 1.0, 0.5))
+        step = tl.where(a < 2.0, 0.5, tl.where(a < 4.0, 1.0, 2.0))
+        rounded = tl.floor(a * inverse_step + u) * step
+    return tl.minimum(rounded, MAX)  # INT4: 7 + u rounds to 8.0 in fp32 for u > 1 - 2^-22 (nibble 8 is -8)
 
 
 @triton.jit
@@ -460,7 +462,7 @@ def _compress_kernel(
             magnitude = _stochastic_magnitude(tl.abs(q), _uniform_noise(index ^ seed), CODE_KIND == 3, FP8_MAX)
             if CODE_KIND == 3:
                 nibbles = tl.where(q < 0, -magnitude, magnitude).to(tl.int32) & 0xF
-            else:  # the sign bit straight from q's bits (a select on q < 0 gave +0.0 codes on the H200)
+            else:  # the sign bit straight from q's bits (the H200's mismatches fit +0 codes from a select on q < 0)
                 nibbles = _e2m1_codes(magnitude, q)
             words = _pack_nibble_words(nibbles.to(tl.uint32), BLOCK_G, G)
         elif CODE_KIND == 2:  # |clamp(q, -M, M)| in one instruction, the sign from q

@@ -183,11 +183,13 @@ def uniform_noise(seed: int, rows: int, row_elements: int, device) -> torch.Tens
 
 def _stochastic_magnitude(a: torch.Tensor, u: torch.Tensor, fmt: ElementFormat) -> torch.Tensor:
     """|q| rounded down or up to the grid at random (up with probability equal to the distance, in steps)."""
-    if fmt.integer:  # capped: 7 + u rounds to 8.0 in fp32 for u > 1 - 2^-22 (nibble 8 is -8)
-        return torch.minimum(torch.floor(a + u), _f32(fmt.max_value, a))
-    inverse_step = torch.where(a < 2.0, 2.0, torch.where(a < 4.0, 1.0, 0.5))  # 1 / grid step: exact products
-    step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
-    return torch.minimum(torch.floor(a * inverse_step + u) * step, _f32(fmt.max_value, a))
+    if fmt.integer:
+        rounded = torch.floor(a + u)
+    else:
+        inverse_step = torch.where(a < 2.0, 2.0, torch.where(a < 4.0, 1.0, 0.5))  # 1 / grid step: exact products
+        step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+        rounded = torch.floor(a * inverse_step + u) * step
+    return torch.minimum(rounded, _f32(fmt.max_value, a))  # INT4: 7 + u is 8.0 in fp32 for u > 1 - 2^-22 (-8's code)
 
 
 def _four_bit_codes(q: torch.Tensor, fmt: ElementFormat, noise: Optional[torch.Tensor] = None) -> torch.Tensor:
