@@ -22,6 +22,8 @@ stays in span(U) and the boundary drops nothing; the layers before it work in an
 beside the anchors), ``+fp8`` / ``+int4`` (the same bytes per token spent on a wider z: rank 2d / R in FP8 or
 4d / R in INT4, z and dL/dz through TACO's codec, Hadamard and one power-of-two scale per group of up to 128;
 the scale bytes make the real ratio a little lower, and the report names it; ``+fp8`` is ``--mapl-wire fp8``),
+``+topk`` (``--mapl-wire topk``: U square, each token sends its k largest coordinates in FP8 and which they are,
+k the most that keeps ratio R; dL/dz returns at the same k),
 ``+anchorsK`` (anchor rank K), ``+ulrF`` (U's manifold learning rate F, ``--mapl-lr``), ``+uadamF`` (U trained by
 Riemannian Adam at learning rate F, ``mapl.stiefel.StiefelAdam``, instead of momentum SGD: a lead of the MAPL issue).
 Results are resumable (``--json``); the report gives each variant's mean validation
@@ -48,6 +50,7 @@ from typing import List, Optional
 import torch
 
 from megatron_taco.codec import TacoCodec
+from megatron_taco.codec.topk import TopKCodec
 from megatron_taco.config.mapl import MaplConfig
 from megatron_taco.mapl.anchor_init import start_anchors_from_embedding
 from megatron_taco.mapl.boundary import BoundaryCodec
@@ -59,13 +62,19 @@ from megatron_taco.training.data import cache_stdlib_text, stdlib_text_batches
 from megatron_taco.training.model import ModelShape
 
 from .loss_compare import _config_shape, paired_interval
+from .mapl_cpu_study import MODEL as CPU_MODEL
 from .mapl_quality import MODEL
 from .provenance import project_commit
 
 # the study's models (--model), each with its boundary after half its layers (PP=2's); the same text and
 # tokens per step (4 x 4 sequences of 512): "gpt-125m" is configs/gpt-125m.yaml's layers (12 x 768, 12 heads, FFN
-# 3072, tied embeddings), the MAPL issue's confirmation shape
-MODELS = {"gpt-25m": MODEL, "gpt-125m": _config_shape("gpt-125m", seq_length=MODEL.seq_length, vocab_size=256)}
+# 3072, tied embeddings), the MAPL issue's confirmation shape; "gpt-cpu" is the CPU study's 4 x 128 (seq 128), for
+# exploring leads on CPU
+MODELS = {
+    "gpt-25m": MODEL,
+    "gpt-125m": _config_shape("gpt-125m", seq_length=MODEL.seq_length, vocab_size=256),
+    "gpt-cpu": CPU_MODEL,
+}
 
 
 class LoopbackBoundary(torch.nn.Module):
@@ -76,7 +85,7 @@ class LoopbackBoundary(torch.nn.Module):
         super().__init__()
         self.codec = codec
         self.mode = mode
-        self.wire = wire  # TACO's codec on z and dL/dz (None: bf16)
+        self.wire = wire  # z -> what arrives of z (and of dL/dz backward) after the wire (None: bf16)
         self._ids = None
         model.add_module("mapl_loopback", self)
         model.register_forward_pre_hook(self._remember_ids)
@@ -112,15 +121,16 @@ class LoopbackBoundary(torch.nn.Module):
         else:
             wire = self.codec.project(hidden, tokens, positions)  # in the hidden states' dtype, like the P2P message
             if self.wire is not None:
-                wire = _WireRoundTrip.apply(wire, self.wire)
+                wire = self.wire(wire)
             hidden = self.codec.reconstruct(wire, tokens, hidden.dtype, positions)
         return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
 
 # Bits per value of the "+fp8" / "+int4" variants: TACO's codec on z (forward) and dL/dz (backward), the
 # Hadamard transform on, one power-of-two scale byte per group of a token's z. FP8 is --mapl-wire fp8's codec
-# (``mapl.wire.fp8_wire_codec``); INT4 exists only here.
-WIRE_BITS = {"fp8": 8, "int4": 4}
+# (``mapl.wire.fp8_wire_codec``); INT4 exists only here. "+topk" is --mapl-wire topk (``codec.topk``): U square,
+# k FP8 values per token.
+WIRE_BITS = {"fp8": 8, "int4": 4, "topk": 8}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,27 +150,40 @@ class Variant:
     u_adam_lr: Optional[float] = None
 
     def rank(self, hidden_size: int) -> int:
+        if self.wire == "topk":  # every coordinate is a candidate: U is square
+            return hidden_size
         return int(hidden_size * 16 / WIRE_BITS.get(self.wire, 16) / self.ratio)
 
     def wire_codec(self, hidden_size: int):
-        """TACO's codec of the z message (None: bf16)."""
+        """The codec of the z message (None: bf16)."""
         if self.wire == "int4":
             return TacoCodec(min(128, self.rank(hidden_size)), "int4", "ash", "e8m0")
-        return wire_codec(self.wire, self.rank(hidden_size))
+        return wire_codec(self.mapl_config(hidden_size), self.rank(hidden_size))
+
+    def wire_round_trip(self, hidden_size: int):
+        """What z and dL/dz come out as after the wire (a function of z; None: z as it is, bf16)."""
+        codec = self.wire_codec(hidden_size)
+        if self.wire == "topk":  # the receiving stage keeps dL/dz on what arrived, as at PP=2 (``MaplStage``)
+            return lambda z: TopKCodec.support_only(_WireRoundTrip.apply(z, codec))
+        return None if codec is None else (lambda z: _WireRoundTrip.apply(z, codec))
 
     def wire_ratio(self, hidden_size: int) -> float:
         """bf16 bytes of h over the wire bytes of z, per token (scales included, the message header not)."""
         return compression_ratio(hidden_size, self.rank(hidden_size), self.wire_codec(hidden_size), 2)
 
     def mapl_config(self, hidden_size: int) -> MaplConfig:
-        """MAPL's settings of this variant (the wire aside: the loopback puts it in itself)."""
+        """MAPL's settings of this variant (INT4 aside, the loopback's own wire)."""
         given = dict(anchor_rank=self.anchor_rank, lr=self.u_lr)
-        return MaplConfig(rank=self.rank(hidden_size), **{k: v for k, v in given.items() if v is not None})
+        if self.wire == "topk":  # r = d; the ratio sets k
+            given.update(ratio=self.ratio, wire="topk")
+        else:
+            given.update(rank=self.rank(hidden_size), wire=self.wire if self.wire != "int4" else "bf16")
+        return MaplConfig(**{k: v for k, v in given.items() if v is not None})
 
 
 def _parse(variant: str) -> Variant:
-    """'none', 'tables' (option '+anchorsK'), 'Rx' or 'Rx' with options '+subspace', '+fp8' / '+int4', '+anchorsK',
-    '+ulrF' (U's learning rate F), '+uadamF' (U by Riemannian Adam at learning rate F)."""
+    """'none', 'tables' (option '+anchorsK'), 'Rx' or 'Rx' with options '+subspace', '+fp8' / '+int4' / '+topk',
+    '+anchorsK', '+ulrF' (U's learning rate F), '+uadamF' (U by Riemannian Adam at learning rate F)."""
     if variant == "none":
         return Variant(variant)
     ratio, *extras = variant.split("+")
@@ -184,8 +207,8 @@ def _parse(variant: str) -> Variant:
             ratio = ""
     if not ratio.endswith("x") or len(extras) != len(set(extras)):
         raise ValueError(
-            f"variant {variant!r}: expected none, tables (option +anchorsK), or Rx with options +subspace, +fp8 or "
-            "+int4, +anchorsK, +ulrF or +uadamF"
+            f"variant {variant!r}: expected none, tables (option +anchorsK), or Rx with options +subspace, +fp8, "
+            "+int4 or +topk, +anchorsK, +ulrF or +uadamF"
         )
     return Variant(ratio=float(ratio[:-1]), **fields)
 
@@ -265,7 +288,7 @@ def _loopback_trainer(cfg, variant: Variant):
                     codec.anchor_embedding.zero_()
                     if codec.positions:
                         codec.anchor_position.zero_()
-            wire = variant.wire_codec(shape.hidden_size)
+            wire = variant.wire_round_trip(shape.hidden_size)
             state["boundary"] = LoopbackBoundary(model, codec, shape.num_layers // 2, variant.mode, wire)
         return model
 
@@ -319,7 +342,8 @@ def train_loopback(
             mapl = dataclasses.replace(parsed.mapl_config(shape.hidden_size), wire=parsed.wire)
         trainer = Trainer(dataclasses.replace(cfg, pipeline_parallel=pipeline_parallel, mapl=mapl))
     parameters = _parameters(trainer)
-    learned = codec is not None and parsed.mode != "tables"
+    # (a square U spans everything: how far it moved has no subspace measure)
+    learned = codec is not None and parsed.mode != "tables" and parsed.rank(shape.hidden_size) < shape.hidden_size
     start = codec.projection.detach().clone() if learned else None
     mbs = cfg.micro_batch_size
     data = stdlib_text_batches("train", shape.vocab_size, shape.seq_length, mbs, seed=data_seed)
@@ -415,7 +439,12 @@ def report(args, results: dict) -> List[str]:
         parsed = _parse(variant)
         label = variant
         if parsed.mode != "none" and parsed.mode != "tables":
-            label += f" (r {parsed.rank(shape.hidden_size)}, {parsed.wire_ratio(shape.hidden_size):.2f}x)"
+            width = (
+                f"k {parsed.mapl_config(shape.hidden_size).topk_values(shape.hidden_size)} of {shape.hidden_size}"
+                if parsed.wire == "topk"
+                else f"r {parsed.rank(shape.hidden_size)}"
+            )
+            label += f" ({width}, {parsed.wire_ratio(shape.hidden_size):.2f}x)"
         moved = [runs[f"{variant} | seed {s}"].get("u_moved") for s in seeds]
         moved_cell = "-" if None in moved else f"{statistics.mean(moved):.3f}"
         lines.append(
@@ -450,7 +479,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         help="1: the loopback (one process per run); 2: real PP=2 runs (two ranks each: 2 GPUs, or gloo on CPU)",
     )
     parser.add_argument(
-        "--model", default="gpt-25m", choices=sorted(MODELS), help="gpt-25m: 8 x 512; gpt-125m: 12 x 768 (confirmation)"
+        "--model",
+        default="gpt-25m",
+        choices=sorted(MODELS),
+        help="gpt-25m: 8 x 512; gpt-125m: 12 x 768 (confirmation); gpt-cpu: 4 x 128 (leads on CPU)",
     )
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time (processes on the one GPU)")
     parser.add_argument("--json", required=True, help="results so far (read to resume, rewritten after every run)")
@@ -465,7 +497,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         if args.pipeline_parallel == 2 and loopback_only:
             parser.error(
                 f"--variants: {variant!r} is a loopback variant; at --pipeline-parallel 2 use none or Rx, with "
-                "+fp8 (--mapl-wire fp8), +anchorsK or +ulrF"
+                "+fp8 or +topk (--mapl-wire), +anchorsK or +ulrF"
             )
     if args.warmup >= args.steps:  # one line here, not a traceback from every run
         parser.error(

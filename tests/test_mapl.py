@@ -558,6 +558,13 @@ def test_invalid_mapl_combinations_with_the_model_are_rejected():
         )
     with pytest.raises(MaplConfigError, match="--mapl-wire: invalid value 'fp4'"):
         MaplConfig(ratio=8, wire="fp4")
+    # the top-k wire: U square, the ratio sets k (hidden 64 at 8x: 16 bytes = 8 values, 8 6-bit indices, a scale)
+    topk = _parse(["--mapl-ratio", "8", "--mapl-wire", "topk"])
+    assert (topk.wire_rank(64), topk.topk_values(64)) == (64, 8)
+    with pytest.raises(MaplConfigError, match="--mapl-wire topk with --mapl-rank: .* give --mapl-ratio"):
+        _parse(["--mapl-rank", "16", "--mapl-wire", "topk"])
+    with pytest.raises(MaplConfigError, match=r"--mapl-ratio 64 with --mapl-wire topk: 2 bytes per token .* hold not"):
+        TrainConfig(TINY_GPT, pipeline_parallel=2, mapl=MaplConfig(ratio=64, wire="topk"))
     rope = dataclasses.replace(TINY_GPT, position_embedding="rope")
     with pytest.raises(MaplConfigError, match="--mapl-position-anchors on: the model's position embedding is 'rope'"):
         TrainConfig(rope, pipeline_parallel=2, mapl=MaplConfig(ratio=4, position_anchors=True))

@@ -24,10 +24,11 @@ def _config():
     )
 
 
-@pytest.mark.parametrize("variant", ["8x", "8x+fp8"])
+@pytest.mark.parametrize("variant", ["8x", "8x+fp8", "8x+topk"])
 def test_loopback_trains_like_pp2(variant):
-    """``8x+fp8``: PP=2 with ``--mapl-wire fp8`` (CodecWireCommunicator encodes z and dL/dz on send, decodes
-    them on arrival) against the loopback's round trip of both through the same codec."""
+    """``8x+fp8`` / ``8x+topk``: PP=2 with ``--mapl-wire fp8`` / ``topk`` (CodecWireCommunicator encodes z and
+    dL/dz on send, decodes them on arrival; with topk the receiving stage keeps dL/dz on what arrived) against
+    the loopback's round trip of both through the same codec."""
     pipeline = run_distributed(train_loopback, 2, _config(), variant, STEPS, DATA_SEED, EVAL_ITERS, "", 2, timeout=600)
     pipeline = pipeline[0]
     loopback = run_distributed(train_loopback, 1, _config(), variant, STEPS, DATA_SEED, EVAL_ITERS, timeout=600)[0]
@@ -100,6 +101,26 @@ def test_the_wire_round_trip_quantizes_z_forward_and_its_gradient_backward():
     assert not torch.equal(out, z) and not torch.equal(leaf.grad, grad)  # FP8: rounded both ways
     error = (out.double() - z.double()).norm() / z.double().norm()
     assert 1e-3 < error < 0.05, error  # E4M3 with a Hadamard and power-of-two scales
+
+
+def test_the_topk_variant_is_the_topk_wire_with_the_gradient_kept_on_what_arrived():
+    """``+topk``: U square, k from the ratio (``--mapl-wire topk``); forward decode(encode(z)), backward
+    decode(encode(g on the k coordinates that arrived)): the gradient of the sparse map, in FP8."""
+    variant = _parse("8x+topk")
+    assert (variant.rank(512), variant.mapl_config(512).topk_values(512), variant.wire_ratio(512)) == (512, 63, 8.0)
+    assert round(variant.wire_ratio(128), 2) == 8.26  # 16 values, 7-bit indices: 31 bytes per token
+    codec = variant.wire_codec(128)
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(6, 2, 128, generator=gen) * torch.logspace(-2, 1, 128)
+    grad = torch.randn(6, 2, 128, generator=gen)
+    leaf = z.clone().requires_grad_(True)
+    out = variant.wire_round_trip(128)(leaf)
+    out.backward(grad)
+    kept = codec.decompress(codec.compress(z), z.shape) != 0
+    assert torch.equal(out.detach(), codec.decompress(codec.compress(z), z.shape))
+    assert torch.equal(leaf.grad, codec.decompress(codec.compress(grad * kept), z.shape))
+    assert kept.sum(-1).eq(16).all() and not leaf.grad[~kept].any()
+    assert not torch.equal(leaf.grad[kept], grad[kept])  # FP8 both ways
 
 
 def test_a_compressed_wire_trains_near_the_bf16_wire_of_the_same_rank():

@@ -271,6 +271,18 @@ def test_the_fp8_wire_in_megatron_lm_sends_codec_messages_both_ways():
     assert receiver["losses"][-1] < receiver["losses"][0], receiver["losses"]
 
 
+def test_the_topk_wire_in_megatron_lm_sends_k_values_and_their_positions_both_ways():
+    """--mapl-wire topk at 4x in bytes: U is d x d (32), each token sends its 11 largest values of z in FP8, a
+    32-bit mask and a scale byte (16 bytes, no header), as one message of fp32 elements each way; it trains,
+    U moves and the replicas agree."""
+    flags = ["--mapl-ratio", "4", "--mapl-wire", "topk"]
+    sender, receiver = run_distributed(_megatron_lm_steps, 2, flags, 3, timeout=240)
+    assert sender["p2p_shapes"] == receiver["p2p_shapes"] == [(1, 1, SEQ * MICRO_BATCH * 16 // 4)] * 3
+    assert sender["u"][0].shape == (32, 32) and torch.equal(sender["u"][0], receiver["u"][0])
+    assert min(sender["u_moved"]) > 1e-5  # 8.9e-5 observed (3 steps; gradients only through the k sent)
+    assert receiver["losses"][-1] < receiver["losses"][0], receiver["losses"]
+
+
 def test_per_token_loss_scales_u_like_every_other_gradient():
     """--calculate-per-token-loss: the loss is a sum and megatron-core divides the gradients by the batch's tokens
     afterwards. With equal micro-batches that is the same training as the mean loss, U included (its gradient was

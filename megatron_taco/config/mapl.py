@@ -6,14 +6,16 @@ import argparse
 import dataclasses
 from typing import List, Optional, Tuple
 
+from megatron_taco.codec.topk import topk_count, topk_token_bytes
 from megatron_taco.config.errors import MaplConfigError
 
 __all__ = ["ANCHOR_INITS", "WIRES", "MaplConfig", "add_mapl_args", "mapl_config_from_args"]
 
 
 ANCHOR_INITS = ("embedding", "random")
-# what z travels as: "bf16" = the pipeline dtype; "fp8" = TACO's FP8 codec, at twice the rank for a ratio
-WIRES = {"bf16": 1, "fp8": 2}  # wire name: rank multiplier at a given --mapl-ratio (bytes per token kept)
+# what z travels as: "bf16" = the pipeline dtype; "fp8" = TACO's FP8 codec, at twice the rank for a ratio;
+# "topk" = U square, each token's k largest values of z in FP8 and which they are (``codec.topk``)
+WIRES = {"bf16": 1, "fp8": 2, "topk": None}  # wire name: rank multiplier at a given --mapl-ratio (None: r = d)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,8 +23,9 @@ class MaplConfig:
     """rank: wire width r of every boundary (hidden d -> r); ratio d / r is the compression;
     ranks: one r per boundary, in pipeline order (boundary g joins pipeline positions g and g + 1);
     vq_levels > 0: residual VQ of z with that many codebooks of vq_codes codes (indices on the wire);
-    wire: "bf16" (z in the pipeline dtype) or "fp8" (z and dL/dz as FP8 codec messages; a ratio then means
-    bytes per token, so r = 2d / ratio)."""
+    wire: "bf16" (z in the pipeline dtype), "fp8" (z and dL/dz as FP8 codec messages; a ratio then means
+    bytes per token, so r = 2d / ratio) or "topk" (r = d; each token sends its k largest values of z in FP8
+    and their positions, k the most that keep the ratio in bytes: :meth:`topk_values`)."""
 
     rank: Optional[int] = None
     ratio: Optional[float] = None
@@ -54,6 +57,11 @@ class MaplConfig:
             raise MaplConfigError(f"--mapl-wire {self.wire} and --mapl-vq-levels: VQ sends indices; use one of them")
         if self.wire != "bf16" and self.ranks is not None:
             raise MaplConfigError(f"--mapl-wire {self.wire} needs one wire width for every boundary, not --mapl-ranks")
+        if self.wire == "topk" and self.ratio is None:
+            raise MaplConfigError(
+                "--mapl-wire topk with --mapl-rank: the top-k wire keeps every coordinate of z a candidate (U is "
+                "d x d); give --mapl-ratio, which sets how many values each token sends"
+            )
         if self.anchor_init not in ANCHOR_INITS:
             raise MaplConfigError(
                 f"--mapl-anchor-init: invalid value {self.anchor_init!r}; choose from {', '.join(ANCHOR_INITS)}"
@@ -108,6 +116,9 @@ class MaplConfig:
             if not 0 < r <= hidden_size:
                 raise MaplConfigError(f"--mapl-rank: invalid value {r}; needs 0 < rank <= hidden size {hidden_size}")
             return r
+        if self.wire == "topk":
+            self.topk_values(hidden_size)  # checked: at least one value fits the ratio
+            return hidden_size
         r = hidden_size * WIRES[self.wire] / self.ratio
         if r != int(r) or r < 1 or r > hidden_size:
             raise MaplConfigError(
@@ -116,6 +127,18 @@ class MaplConfig:
                 + " / ratio must be a whole number in [1, hidden size]"
             )
         return int(r)
+
+    def topk_values(self, hidden_size: int) -> int:
+        """With ``wire="topk"``: k, the values each token sends, the most whose bytes (k FP8 codes, their
+        positions, a scale byte) stay within d bf16 values / ratio."""
+        k = topk_count(hidden_size, self.ratio)
+        if k == 0:
+            raise MaplConfigError(
+                f"--mapl-ratio {self.ratio:g} with --mapl-wire topk: {2 * hidden_size / self.ratio:g} bytes per token "
+                f"(hidden size {hidden_size} in bf16 / ratio) hold not even one value ({topk_token_bytes(hidden_size, 1)} "
+                "bytes with its position and scale); lower the ratio"
+            )
+        return k
 
     def wire_ranks(self, hidden_size: int, pipeline_parallel: int, virtual_pipeline: Optional[int] = None) -> List[int]:
         """r of every boundary in pipeline order, checked against the layout and the hidden size."""
@@ -153,7 +176,8 @@ def add_mapl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default="bf16",
         help="what z travels as: bf16 = the pipeline dtype; fp8 = TACO's FP8 codec forward and backward "
         "(Hadamard, a scale byte per group of up to 128 values; r a multiple of 16) at twice the rank, so "
-        "--mapl-ratio keeps its bytes for a 2-byte pipeline dtype",
+        "--mapl-ratio keeps its bytes for a 2-byte pipeline dtype; topk = U square, and each token sends only its "
+        "k largest values of z in FP8 with their positions (both ways), k the most that keep --mapl-ratio in bytes",
     )
     group.add_argument("--mapl-anchor-rank", type=int, default=64, help="rank k of the token anchors E[t] B (0: none)")
     group.add_argument(

@@ -47,9 +47,9 @@ def configure(args: argparse.Namespace) -> Optional[MaplConfig]:
     if args.hidden_size is not None:  # None with --use-checkpoint-args: the model build checks the widths
         cfg.wire_ranks(args.hidden_size, args.pipeline_model_parallel_size, _model_chunks(args))
     cfg.anchors_positions(args.position_embedding_type)
-    if cfg.wire == "fp8" and _model_chunks(args) and getattr(args, "overlap_p2p_comm", False):
+    if cfg.wire != "bf16" and _model_chunks(args) and getattr(args, "overlap_p2p_comm", False):
         raise MaplConfigError(  # the interleaved schedule's overlap hands on P2P buffers before they arrive
-            "--mapl-wire fp8 with virtual pipeline stages decodes P2P messages on arrival; "
+            f"--mapl-wire {cfg.wire} with virtual pipeline stages decodes P2P messages on arrival; "
             "add --no-overlap-p2p-communication"
         )
     if getattr(args, "context_parallel_size", 1) > 1:

@@ -42,7 +42,8 @@ from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stiefel import StiefelMomentumSGD
 from megatron_taco.mapl.telemetry import MAPL_TELEMETRY, SHAPE_MESSAGE_BYTES
 from megatron_taco.mapl.vq import ResidualVQ, packed_width
-from megatron_taco.mapl.wire import CodecWireCommunicator, IndexWireCommunicator, fp8_wire_codec, wire_codec
+from megatron_taco.codec.topk import TopKCodec
+from megatron_taco.mapl.wire import CodecWireCommunicator, IndexWireCommunicator, wire_codec
 
 __all__ = [
     "CODEC_RANGE",
@@ -127,6 +128,8 @@ class MaplStage:
         if self.recv is not None:
             with torch.profiler.record_function(CODEC_RANGE):
                 received = self.recv.dequantize(self._received) if self.recv.vq is not None else self._received
+                if isinstance(self.recv.wire, TopKCodec):  # dL/dz goes back at the k coordinates that arrived
+                    received = TopKCodec.support_only(received)
                 hidden = self.recv.reconstruct(received, tokens, dtype or self._received.dtype, positions, previous)
             if training and self._received.requires_grad:
                 MAPL_TELEMETRY.watch_backward(
@@ -518,9 +521,9 @@ def attach_mapl(
     the same seed. Vocabulary, positions and hidden size are read from the model.
     """
     config = model.config
-    if getattr(config, "variable_seq_lengths", False) and (cfg.wire == "fp8" or cfg.vq_levels):
+    if getattr(config, "variable_seq_lengths", False) and (cfg.wire != "bf16" or cfg.vq_levels):
         raise MaplConfigError(
-            f"{'--mapl-wire fp8' if cfg.wire == 'fp8' else '--mapl-vq-levels'} with a model whose config sets "
+            f"{f'--mapl-wire {cfg.wire}' if cfg.wire != 'bf16' else '--mapl-vq-levels'} with a model whose config sets "
             "variable_seq_lengths: that wire's messages have one size for the whole run; use the default wire"
         )
     pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -559,7 +562,7 @@ def attach_mapl(
         model, boundary(position - 1) if position > 0 else None, boundary(position) if position < len(widths) else None
     )
     for codec in stage.boundaries():  # what the telemetry counts: the FP8 wire's messages (None: the tensors)
-        codec.wire = wire_codec(cfg.wire, codec.rank)
+        codec.wire = wire_codec(cfg, codec.rank)
     if _variable_shapes(cfg, config):  # megatron-core sends each tensor's shape first: counted in the MAPL telemetry
         stage.shape_message_bytes = SHAPE_MESSAGE_BYTES
     return stage
@@ -580,16 +583,16 @@ _WIRE_COMMUNICATORS: Dict[tuple, CodecWireCommunicator] = {}
 def schedule_inputs(models: List[torch.nn.Module], cfg: MaplConfig) -> Tuple[List["ScheduleView"], Dict[str, Any]]:
     """The models as megatron-core's pipeline schedule must see them (P2P buffers of the wire width) and the
     extra schedule arguments (with VQ: the communicator that puts the indices on the forward wire; with
-    ``wire="fp8"``: the one that sends z and dL/dz as FP8 codec messages)."""
+    ``wire="fp8"`` / ``"topk"``: the one that sends z and dL/dz as that wire's messages)."""
     config = models[0].config
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     widths = cfg.wire_ranks(config.hidden_size, pp, config.virtual_pipeline_model_parallel_size)
     views = [ScheduleView(m, max(widths), variable_shapes=_variable_shapes(cfg, config)) for m in models]
-    if cfg.wire == "fp8":  # one per run: its codec caches headers, and it checks the first message's settings
+    if cfg.wire != "bf16":  # one per run: its codec caches headers, and it checks the first message's settings
         group = parallel_state.get_pipeline_model_parallel_group()
         key = (cfg, id(group), config.pipeline_dtype)
         if key not in _WIRE_COMMUNICATORS:
-            _WIRE_COMMUNICATORS[key] = CodecWireCommunicator(group, views[0].config, fp8_wire_codec(widths[0]))
+            _WIRE_COMMUNICATORS[key] = CodecWireCommunicator(group, views[0].config, wire_codec(cfg, widths[0]))
         communicator = _WIRE_COMMUNICATORS[key]
         return views, dict(p2p_communicator=communicator, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
     if not cfg.vq_levels:

@@ -6,6 +6,10 @@ messages (FP8 E4M3 after the Hadamard transform, one power-of-two scale byte per
 tensors as with the bf16 wire. At a given byte budget this buys twice the rank: 8x in bytes is r = d / 4 in
 FP8, which trained 1.3 points better than r = d / 8 in bf16 (benchmarks/results/mapl_loopback.md).
 
+:class:`CodecWireCommunicator` also carries ``--mapl-wire topk`` (:class:`~megatron_taco.codec.topk.TopKCodec`: z
+d wide, each token's k largest values in FP8 and their positions; the receiving stage keeps dL/dz on the
+coordinates that arrived, so the gradient goes back at the same k).
+
 :class:`IndexWireCommunicator`: VQ indices instead of activations on the forward wire.
 
 With residual VQ the forward message is L indices per token, packed into the
@@ -29,14 +33,16 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from megatron_taco.codec import TacoCodec
+from megatron_taco.codec.topk import TopKCodec
 from megatron_taco.config.errors import MaplConfigError
+from megatron_taco.config.mapl import MaplConfig
 
 __all__ = [
     "CodecWireCommunicator",
@@ -48,6 +54,10 @@ __all__ = [
 ]
 
 
+# what a compressed wire sends z and dL/dz as: TACO's FP8 codec (--mapl-wire fp8) or the top-k one (topk)
+MaplWireCodec = Union[TacoCodec, TopKCodec]
+
+
 def fp8_wire_codec(rank: int) -> TacoCodec:
     """The codec of ``--mapl-wire fp8`` for a z of ``rank`` values per token: E4M3 codes, the Hadamard
     transform, one power-of-two scale byte per group (128 values, or the largest power of two dividing r)."""
@@ -57,12 +67,14 @@ def fp8_wire_codec(rank: int) -> TacoCodec:
     return TacoCodec(group, "e4m3", "ash", "e8m0")
 
 
-def wire_codec(wire: str, rank: int) -> Optional[TacoCodec]:
-    """The codec of ``--mapl-wire`` ``wire`` for a z of ``rank`` values (None: z goes as it is)."""
-    return fp8_wire_codec(rank) if wire == "fp8" else None
+def wire_codec(cfg: MaplConfig, rank: int) -> Optional[MaplWireCodec]:
+    """The codec of ``cfg.wire`` for a z of ``rank`` values (None: z goes as it is in the pipeline dtype)."""
+    if cfg.wire == "topk":
+        return TopKCodec(rank, cfg.topk_values(rank))
+    return fp8_wire_codec(rank) if cfg.wire == "fp8" else None
 
 
-def compression_ratio(hidden_size: int, rank: int, codec: Optional[TacoCodec], element_size: int) -> float:
+def compression_ratio(hidden_size: int, rank: int, codec: Optional[MaplWireCodec], element_size: int) -> float:
     """d / r, or with a codec wire the bytes of h (``element_size`` bytes per value) over the codec bytes of z per
     token (codes and scale bytes; the message header aside)."""
     if codec is None:
@@ -70,10 +82,14 @@ def compression_ratio(hidden_size: int, rank: int, codec: Optional[TacoCodec], e
     return element_size * hidden_size / (codec.compressed_nbytes(rank) - codec.compressed_nbytes(0))
 
 
-def describe_compression(hidden_size: int, rank: int, codec: Optional[TacoCodec], element_size: int) -> str:
+def describe_compression(hidden_size: int, rank: int, codec: Optional[MaplWireCodec], element_size: int) -> str:
     """:func:`compression_ratio` in words, for the start-up lines."""
     ratio = compression_ratio(hidden_size, rank, codec, element_size)
-    return f"{ratio:g}x" if codec is None else f"{ratio:.2f}x in bytes: z as FP8 codec messages both ways"
+    if codec is None:
+        return f"{ratio:g}x"
+    if isinstance(codec, TopKCodec):
+        return f"{ratio:.2f}x in bytes: each token's {codec.k} largest of {rank} values of z in FP8, both ways"
+    return f"{ratio:.2f}x in bytes: z as FP8 codec messages both ways"
 
 
 class CodecWireCommunicator(P2PCommunicator):
@@ -82,7 +98,7 @@ class CodecWireCommunicator(P2PCommunicator):
     variable-shape mode are answered locally (no extra messages). Received messages are decoded on arrival,
     so this communicator waits on its P2P requests (megatron-core's default outside interleaved overlap)."""
 
-    def __init__(self, pp_group: dist.ProcessGroup, config, codec: TacoCodec) -> None:
+    def __init__(self, pp_group: dist.ProcessGroup, config, codec: MaplWireCodec) -> None:
         own = copy.copy(config)
         own.variable_seq_lengths = True  # receive buffers take the shapes from _communicate_shapes
         super().__init__(pp_group, own)
@@ -122,7 +138,9 @@ class CodecWireCommunicator(P2PCommunicator):
         self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape, wait_on_reqs=True
     ):
         if not wait_on_reqs:
-            raise MaplConfigError("--mapl-wire fp8 decodes P2P messages on arrival; add --no-overlap-p2p-communication")
+            raise MaplConfigError(
+                "--mapl-wire fp8 / topk decode P2P messages on arrival; add --no-overlap-p2p-communication"
+            )
         if tensor_shape is not None:
             self._shape = tuple(tensor_shape)
         received, grad, reqs = super()._communicate(

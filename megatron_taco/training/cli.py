@@ -578,9 +578,7 @@ def _train(args: argparse.Namespace) -> List[float]:
     if args.mapl is not None:
         widths = cfg.mapl_widths
         element = trainer.config.pipeline_dtype.itemsize
-        ratios = [
-            describe_compression(cfg.shape.hidden_size, r, wire_codec(args.mapl.wire, r), element) for r in widths
-        ]
+        ratios = [describe_compression(cfg.shape.hidden_size, r, wire_codec(args.mapl, r), element) for r in widths]
         _log(
             f"MAPL: {len(widths)} boundar{'y' if len(widths) == 1 else 'ies'}, hidden {cfg.shape.hidden_size} -> "
             f"{widths} "
