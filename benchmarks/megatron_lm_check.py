@@ -150,6 +150,7 @@ class Row:
     resume: bool = False  # stop at half the iterations with --save, then --load and finish (MAPL state restored?)
     mapl: str = (
         "none"  # none | 1 (--mapl-ratio 1: lossless, checks the plumbing) | 8 | 8-vq (--mapl-vq-levels 2) | 8-fixed
+        # | 8-topk (--mapl-wire topk)
     )
 
     @property
@@ -248,6 +249,8 @@ ROWS = [
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="1"),  # r = d: the loss must match uncompressed
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8", repeats=3),
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8-vq"),
+    # the sparse wire: U d x d, each token's k largest values of z in FP8 and their positions, both ways
+    _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8-topk", repeats=3),
     # diagnostic: a fixed U and no anchors have no replica sync (where does the time go?)
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8-fixed"),
     # 10 iterations, save (torch_dist), load, 10 more: the loss should follow the uninterrupted mapl8 row
@@ -282,6 +285,7 @@ ROWS = [
     # without them, failed with "writev ... Bad address"; the buffers are tested on CPU, not yet run on a GPU)
     _row(ONE_GPU, "gpt", "te", "bf16", "none", pipeline=2),
     _row(ONE_GPU, "gpt", "te", "bf16", "none", pipeline=2, mapl="8"),
+    _row(ONE_GPU, "gpt", "te", "bf16", "none", pipeline=2, mapl="8-topk"),
 ]
 SUITES = {
     "smoke": [
@@ -291,7 +295,11 @@ SUITES = {
         "socket-gpt-te-bf16-fp8-ash",
         "socket-gpt-te-bf16-int8",
     ],
-    "mapl-smoke": ["socket-gpt-te-bf16-none-pp2", "socket-gpt-te-bf16-none-pp2-mapl8"],
+    "mapl-smoke": [
+        "socket-gpt-te-bf16-none-pp2",
+        "socket-gpt-te-bf16-none-pp2-mapl8",
+        "socket-gpt-te-bf16-none-pp2-mapl8-topk",
+    ],
     "four-bit": [
         "socket-gpt-te-bf16-none",
         "socket-gpt-te-bf16-fp4-ash",
@@ -349,6 +357,7 @@ MAPL = {
     "8": ["--mapl-ratio", "8"],
     "8-vq": ["--mapl-ratio", "8", "--mapl-vq-levels", "2"],
     "8-fixed": ["--mapl-ratio", "8", "--mapl-fixed-projection"],
+    "8-topk": ["--mapl-ratio", "8", "--mapl-wire", "topk"],
 }
 
 

@@ -41,6 +41,22 @@ GPU_ONLY = (
 
 MUTATIONS = [  # (what, file, text, replaced by, tests, -k) or file None: SCALE_BIAS
     (
+        "top-k wire picks the largest signed values, not magnitudes",
+        "megatron_taco/codec/topk.py",
+        "index = rows.abs().topk(self.k, dim=-1).indices.sort(-1).values",
+        "index = rows.topk(self.k, dim=-1).indices.sort(-1).values",
+        "tests/test_codec_topk.py",
+        "",
+    ),
+    (
+        "top-k wire: the receiver sends back the whole gradient's top k, not the coordinates that arrived",
+        "megatron_taco/mapl/stage.py",
+        "                    received = TopKCodec.support_only(received)\n",
+        "                    pass\n",
+        "tests/test_mapl_loopback.py",
+        "pp2",
+    ),
+    (
         "4-bit nibbles packed high/low swapped (kernel)",
         "megatron_taco/codec/kernels.py",
         "v = tl.reshape(lo + (hi << 4), (BLOCK_G, G // 4, 2))",
