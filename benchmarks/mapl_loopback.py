@@ -399,7 +399,7 @@ def report(args, results: dict) -> List[str]:
     base = variants[0]
     shape = MODELS[args.model]
     lines = [
-        "# MAPL boundary quality in one process (PP=1 loopback, one GPU)"
+        "# MAPL boundary quality in one process (PP=1 loopback)"
         if args.pipeline_parallel == 1
         else "# MAPL boundary quality at PP=2 (two ranks per run)",
         "",
