@@ -44,29 +44,3 @@ def _hang():
 def test_hang_times_out_and_names_ranks():
     with pytest.raises(DistributedTestError, match=r"timed out after 3s; ranks \[0, 1\]"):
         run_distributed(_hang, 2, timeout=3)
-
-
-def test_a_rendezvous_port_taken_before_rank_zero_listens_is_tried_again(monkeypatch):
-    """Parallel runs (the loss studies' --parallel) choose their ports at the same time: a port taken between
-    its choice and rank 0's listen failed a whole run with EADDRINUSE (mapl_loopback, 2026-12-05). Now the run
-    starts again on another port; a port taken every time is an error that says so."""
-    import socket
-
-    from megatron_taco.testing import distributed
-
-    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    taken.bind(("127.0.0.1", 0))
-    taken.listen()
-    busy = taken.getsockname()[1]
-    ports = iter([busy, distributed.free_port()])
-    chosen = []
-    monkeypatch.setattr(distributed, "free_port", lambda: chosen.append(next(ports)) or chosen[-1])
-    try:
-        # (the run's timeout bounds rank 0's tries to listen: 5 s here, instead of torch's default of minutes)
-        results = run_distributed(_rank_sum, 2, timeout=5)
-        assert [r[2] for r in results] == [3.0, 3.0] and chosen[0] == busy and len(chosen) == 2
-        monkeypatch.setattr(distributed, "free_port", lambda: busy)
-        with pytest.raises(DistributedTestError, match="the rendezvous port was taken 3 times in a row"):
-            run_distributed(_rank_sum, 2, timeout=5)
-    finally:
-        taken.close()

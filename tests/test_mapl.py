@@ -563,6 +563,8 @@ def test_invalid_mapl_combinations_with_the_model_are_rejected():
     assert (topk.wire_rank(64), topk.topk_values(64)) == (64, 8)
     with pytest.raises(MaplConfigError, match="--mapl-wire topk with --mapl-rank: .* give --mapl-ratio"):
         _parse(["--mapl-rank", "16", "--mapl-wire", "topk"])
+    with pytest.raises(MaplConfigError, match="--mapl-wire topk with --mapl-rank"):  # both: U would be d x r
+        MaplConfig(rank=16, ratio=8, wire="topk")
     with pytest.raises(MaplConfigError, match=r"--mapl-ratio 64 with --mapl-wire topk: 2 bytes per token .* hold not"):
         TrainConfig(TINY_GPT, pipeline_parallel=2, mapl=MaplConfig(ratio=64, wire="topk"))
     rope = dataclasses.replace(TINY_GPT, position_embedding="rope")

@@ -11,9 +11,10 @@ vector becomes one row of the message::
     positions a d-bit mask, or k indices of ceil(log2 d) bits, whichever is shorter, bit-packed LSB first
 
 Decoding scatters the k values back; every other coordinate is 0. The same format carries dL/dz back: the
-receiver keeps the gradient on the coordinates it received (:meth:`TopKCodec.support_only`), so the top k of
-that gradient are those coordinates and the sender's map gets its exact gradient (the choice of the k is
-piecewise constant). Torch operations, on any device.
+receiver keeps the gradient on the nonzero coordinates it received (:meth:`TopKCodec.support_only`), so the top k
+of that gradient are those coordinates: the gradient of the sparse map (the choice of the k is piecewise
+constant), straight through the FP8 rounding. A kept value that rounds to 0 (below about 2^-19 of its token's
+largest) sends nothing forward and gets no gradient back. Torch operations, on any device.
 """
 
 from __future__ import annotations
@@ -151,6 +152,7 @@ class TopKCodec:
 
     @staticmethod
     def support_only(z: torch.Tensor) -> torch.Tensor:
-        """The receiver's z with its gradient kept only on z's nonzero coordinates (the ones that arrived), so
-        that the top k of the gradient going back are those coordinates. The same values forward."""
+        """The receiver's z with its gradient kept only on z's nonzero coordinates (the ones that arrived, less any
+        kept value that rounded to 0), so that the top k of the gradient going back are those coordinates. The same
+        values forward."""
         return z * (z != 0).to(z.dtype)

@@ -57,7 +57,7 @@ class MaplConfig:
             raise MaplConfigError(f"--mapl-wire {self.wire} and --mapl-vq-levels: VQ sends indices; use one of them")
         if self.wire != "bf16" and self.ranks is not None:
             raise MaplConfigError(f"--mapl-wire {self.wire} needs one wire width for every boundary, not --mapl-ranks")
-        if self.wire == "topk" and self.ratio is None:
+        if self.wire == "topk" and (self.ratio is None or self.rank is not None):
             raise MaplConfigError(
                 "--mapl-wire topk with --mapl-rank: the top-k wire keeps every coordinate of z a candidate (U is "
                 "d x d); give --mapl-ratio, which sets how many values each token sends"

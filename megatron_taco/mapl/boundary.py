@@ -78,7 +78,7 @@ class BoundaryCodec(torch.nn.Module):
                 param.sequence_parallel = sequence_parallel
                 param.mapl_anchor = True
         self.vq = vq
-        self.wire = None  # the codec of a compressed P2P wire (``mapl.wire.fp8_wire_codec``), for the telemetry
+        self.wire = None  # the codec of a compressed P2P wire (``mapl.wire.wire_codec``), for the telemetry
 
     def _apply(self, fn, recurse: bool = True):
         """Moves apply to U and the codebooks; casts do not (Megatron's Float16Module halves the whole model,

@@ -36,13 +36,13 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from megatron_taco.codec.topk import TopKCodec
 from megatron_taco.config.mapl import MaplConfig, MaplConfigError
 from megatron_taco.mapl.anchor_init import start_anchors_from_embedding
 from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stiefel import StiefelMomentumSGD
 from megatron_taco.mapl.telemetry import MAPL_TELEMETRY, SHAPE_MESSAGE_BYTES
 from megatron_taco.mapl.vq import ResidualVQ, packed_width
-from megatron_taco.codec.topk import TopKCodec
 from megatron_taco.mapl.wire import CodecWireCommunicator, IndexWireCommunicator, wire_codec
 
 __all__ = [

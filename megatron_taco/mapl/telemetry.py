@@ -47,7 +47,7 @@ SHAPE_MESSAGE_BYTES = 3 * 8  # megatron-core's variable-shape mode: the [s, b, h
 
 
 def _nbytes(tensor: torch.Tensor, codec=None) -> int:
-    """Bytes of ``tensor`` on the wire: as it is, or as one message of ``codec`` (a TacoCodec)."""
+    """Bytes of ``tensor`` on the wire: as it is, or as one message of ``codec`` (``mapl.wire.wire_codec``'s)."""
     return tensor.numel() * tensor.element_size() if codec is None else codec.compressed_nbytes(tensor.numel())
 
 

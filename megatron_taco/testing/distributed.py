@@ -15,7 +15,6 @@ import queue
 import socket
 import time
 import traceback
-from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional
 
 __all__ = ["LINK_REGIMES", "DistributedTestError", "run_distributed"]
@@ -45,7 +44,6 @@ def _rank_main(
     rank: int,
     world_size: int,
     port: int,
-    timeout: float,
     backend: str,
     fn: Callable[..., Any],
     args: tuple,
@@ -69,14 +67,7 @@ def _rank_main(
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        try:
-            # the run's own timeout bounds the rendezvous (rank 0 keeps trying to listen on a taken port until then)
-            dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout))
-        except Exception as exc:
-            if "EADDRINUSE" not in str(exc):
-                raise
-            results.put((rank, "port taken", traceback.format_exc()))  # nothing ran: the parent tries another port
-            return
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         value = fn(*args, **kwargs)
         # Plain pickle (tensor storages by value): torch's queue reducer would pass shared-memory
         # handles that vanish when this process exits before the parent reads them.
@@ -108,38 +99,14 @@ def run_distributed(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    for attempt in range(_PORT_ATTEMPTS):
-        # a port free when chosen can be taken before rank 0 listens on it (another run started at the same
-        # time, an outgoing connection): then no rank ran ``fn``, and the run starts again on another port
-        outcome = _run_ranks(fn, world_size, free_port(), args, kwargs, timeout, backend, env)
-        if outcome is not None or attempt == _PORT_ATTEMPTS - 1:
-            break
-    if outcome is None:
-        raise DistributedTestError(f"the rendezvous port was taken {_PORT_ATTEMPTS} times in a row")
-    return outcome
-
-
-_PORT_ATTEMPTS = 3
-
-
-def _run_ranks(
-    fn: Callable[..., Any],
-    world_size: int,
-    port: int,
-    args: tuple,
-    kwargs: dict,
-    timeout: float,
-    backend: str,
-    env: Optional[Dict[str, str]],
-) -> Optional[List[Any]]:
-    """One try of :func:`run_distributed` on ``port``: the per-rank results, or None when the port was taken."""
     ctx = mp.get_context(os.environ.get("TACO_TEST_START_METHOD", "fork"))
     results: "mp.Queue" = ctx.Queue()
+    port = free_port()
     child_env = {"OMP_NUM_THREADS": "1", **(env or {})}
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, timeout, backend, fn, args, kwargs, child_env, results),
+            args=(rank, world_size, port, backend, fn, args, kwargs, child_env, results),
             daemon=True,
         )
         for rank in range(world_size)
@@ -149,7 +116,6 @@ def _run_ranks(
 
     values: Dict[int, Any] = {}
     errors: Dict[int, str] = {}
-    port_taken = False
     deadline = time.monotonic() + timeout
     while len(values) + len(errors) < world_size:
         remaining = deadline - time.monotonic()
@@ -169,7 +135,6 @@ def _run_ranks(
             values[rank] = pickle.loads(value)
         else:
             errors[rank] = value
-            port_taken = port_taken or status == "port taken"
 
     for proc in procs:
         proc.join(timeout=0.5 if (errors or len(values) < world_size) else 30)
@@ -177,8 +142,6 @@ def _run_ranks(
             proc.kill()
             proc.join()
 
-    if port_taken:
-        return None
     if errors:
         first = next(iter(errors))  # the first failure reported is usually the root cause
         others = [r for r in errors if r != first]
