@@ -339,7 +339,7 @@ def train_loopback(
     else:
         mapl = None
         if parsed.mode == "compress":
-            mapl = dataclasses.replace(parsed.mapl_config(shape.hidden_size), wire=parsed.wire)
+            mapl = parsed.mapl_config(shape.hidden_size)
         trainer = Trainer(dataclasses.replace(cfg, pipeline_parallel=pipeline_parallel, mapl=mapl))
     parameters = _parameters(trainer)
     # (a square U spans everything: how far it moved has no subspace measure)

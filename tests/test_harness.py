@@ -1,11 +1,13 @@
 """The multi-process harness itself: results, failures and hangs are reported per rank."""
 
+import socket
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from megatron_taco.testing import distributed
 from megatron_taco.testing.distributed import DistributedTestError, run_distributed
 
 
@@ -21,6 +23,16 @@ def test_all_ranks_run_and_return(world):
     assert [r[0] for r in results] == list(range(world))
     assert all(r[1] == world for r in results)
     assert all(r[2] == world * (world + 1) / 2 for r in results)
+
+
+def test_a_port_taken_by_another_run_does_not_break_the_rendezvous(monkeypatch):
+    # The race of side-by-side runs: a port found free is bound by someone else before the ranks listen on it.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        monkeypatch.setattr(distributed, "free_port", lambda: taken.getsockname()[1])
+        results = run_distributed(_rank_sum, 2, timeout=60)
+    assert [r[2] for r in results] == [3.0, 3.0]
 
 
 def _fail_on_rank_one():

@@ -1,9 +1,11 @@
 """Run a function on N real torch.distributed ranks from a test, with a timeout.
 
 Each rank is a separate process with its own ``init_process_group`` (gloo on
-CPU, NCCL when ``backend="nccl"``). A failure on any rank fails the call with
-that rank's traceback; ranks that hang (e.g. a peer died inside a collective)
-are killed when the timeout expires and named in the error.
+CPU, NCCL when ``backend="nccl"``). The parent holds the rendezvous store (a
+TCPStore on a port the kernel chose) until the ranks are done, so runs started
+side by side can never take each other's port. A failure on any rank fails
+the call with that rank's traceback; ranks that hang (e.g. a peer died inside a
+collective) are killed when the timeout expires and named in the error.
 """
 
 from __future__ import annotations
@@ -15,11 +17,13 @@ import queue
 import socket
 import time
 import traceback
+from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional
 
 __all__ = ["LINK_REGIMES", "DistributedTestError", "run_distributed"]
 
 _GRACE_AFTER_FAILURE_S = 10.0
+_RENDEZVOUS_TIMEOUT = timedelta(minutes=30)  # torch's default process-group timeout, as env:// rendezvous uses
 
 # The link regimes of DESIGN.md section 5: NCCL environment for a process pair on one 2-GPU host.
 LINK_REGIMES: Dict[str, Dict[str, str]] = {
@@ -52,6 +56,7 @@ def _rank_main(
     results: "mp.Queue",
 ) -> None:
     os.environ.update(env)
+    # for code that reads them; the rendezvous itself goes through the parent's store
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -67,7 +72,8 @@ def _rank_main(
     try:
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=_RENDEZVOUS_TIMEOUT)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         value = fn(*args, **kwargs)
         # Plain pickle (tensor storages by value): torch's queue reducer would pass shared-memory
         # handles that vanish when this process exits before the parent reads them.
@@ -101,7 +107,11 @@ def run_distributed(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context(os.environ.get("TACO_TEST_START_METHOD", "fork"))
     results: "mp.Queue" = ctx.Queue()
-    port = free_port()
+    import torch.distributed as dist
+
+    # Listening before any rank starts: port 0 lets the kernel choose, and no other run can bind it meanwhile.
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=_RENDEZVOUS_TIMEOUT, wait_for_workers=False)
+    port = store.port
     child_env = {"OMP_NUM_THREADS": "1", **(env or {})}
     procs = [
         ctx.Process(
@@ -141,6 +151,7 @@ def run_distributed(
         if proc.is_alive():
             proc.kill()
             proc.join()
+    del store  # the ranks are gone: release the port
 
     if errors:
         first = next(iter(errors))  # the first failure reported is usually the root cause
