@@ -3,7 +3,10 @@
 Each rank is a separate process with its own ``init_process_group`` (gloo on
 CPU, NCCL when ``backend="nccl"``). The parent holds the rendezvous store (a
 TCPStore on a port the kernel chose) until the ranks are done, so runs started
-side by side can never take each other's port. A failure on any rank fails
+side by side can never take each other's port. It opens the store only after
+forking every rank and then sends them its port: forking while the store's
+server thread runs lets a child inherit a lock held by that thread, and the
+child hangs (about 1 run in 10 with 4 ranks on 2 cores). A failure on any rank fails
 the call with that rank's traceback; ranks that hang (e.g. a peer died inside a
 collective) are killed when the timeout expires and named in the error.
 """
@@ -47,7 +50,7 @@ def free_port() -> int:
 def _rank_main(
     rank: int,
     world_size: int,
-    port: int,
+    ports: "mp.SimpleQueue",
     backend: str,
     fn: Callable[..., Any],
     args: tuple,
@@ -56,6 +59,7 @@ def _rank_main(
     results: "mp.Queue",
 ) -> None:
     os.environ.update(env)
+    port = ports.get()  # the parent's store is listening on it
     # for code that reads them; the rendezvous itself goes through the parent's store
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -107,22 +111,29 @@ def run_distributed(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     ctx = mp.get_context(os.environ.get("TACO_TEST_START_METHOD", "fork"))
     results: "mp.Queue" = ctx.Queue()
-    import torch.distributed as dist
-
-    # Listening before any rank starts: port 0 lets the kernel choose, and no other run can bind it meanwhile.
-    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=_RENDEZVOUS_TIMEOUT, wait_for_workers=False)
-    port = store.port
+    ports: "mp.SimpleQueue" = ctx.SimpleQueue()  # no feeder thread: put() writes before returning
     child_env = {"OMP_NUM_THREADS": "1", **(env or {})}
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, backend, fn, args, kwargs, child_env, results),
+            args=(rank, world_size, ports, backend, fn, args, kwargs, child_env, results),
             daemon=True,
         )
         for rank in range(world_size)
     ]
     for proc in procs:
         proc.start()
+    import torch.distributed as dist
+
+    # Port 0 lets the kernel choose, and no other run can bind it while this store listens.
+    try:
+        store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, timeout=_RENDEZVOUS_TIMEOUT, wait_for_workers=False)
+    except BaseException:
+        for proc in procs:  # they wait for a port that will not come
+            proc.kill()
+        raise
+    for _ in procs:
+        ports.put(store.port)
 
     values: Dict[int, Any] = {}
     errors: Dict[int, str] = {}
