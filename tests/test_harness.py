@@ -27,7 +27,8 @@ def test_all_ranks_run_and_return(world):
 
 
 def test_a_port_taken_by_another_run_does_not_break_the_rendezvous(monkeypatch):
-    # The race of side-by-side runs: a port found free is bound by someone else before the ranks listen on it.
+    # The race of side-by-side runs: a port found free (``free_port``) is bound by someone else before the ranks
+    # listen on it. The parent's store binds a port the kernel chooses instead, so a taken port never reaches it.
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -36,16 +37,29 @@ def test_a_port_taken_by_another_run_does_not_break_the_rendezvous(monkeypatch):
     assert [r[2] for r in results] == [3.0, 3.0]
 
 
-_threads_at_fork = []
-os.register_at_fork(before=lambda: _threads_at_fork.append(len(os.listdir("/proc/self/task"))))
+_threads_at_fork = []  # filled while one test is recording (a fork hook cannot be removed once registered)
+_recording_forks = False
+
+
+def _record_threads_at_fork():
+    if _recording_forks:
+        _threads_at_fork.append(len(os.listdir("/proc/self/task")))
+
+
+os.register_at_fork(before=_record_threads_at_fork)
 
 
 def test_ranks_are_forked_while_the_parent_runs_no_store_thread():
     # Forking while the store's server thread ran let a rank inherit a lock that thread held: ~1 run in 10 hung
     # (4 ranks, 2 cores; three CI tests timed out). The threads at each fork must be those the parent had before.
+    global _recording_forks
     threads_before = len(os.listdir("/proc/self/task"))
     _threads_at_fork.clear()
-    results = run_distributed(_rank_sum, 4, timeout=60)
+    _recording_forks = True
+    try:
+        results = run_distributed(_rank_sum, 4, timeout=60)
+    finally:
+        _recording_forks = False
     assert [r[2] for r in results] == [10.0] * 4
     assert _threads_at_fork == [threads_before] * 4
 
