@@ -150,7 +150,7 @@ class Row:
     resume: bool = False  # stop at half the iterations with --save, then --load and finish (MAPL state restored?)
     mapl: str = (
         "none"  # none | 1 (--mapl-ratio 1: lossless, checks the plumbing) | 8 | 8-vq (--mapl-vq-levels 2) | 8-fixed
-        # | 8-topk (--mapl-wire topk)
+        # | 8-topk (--mapl-wire topk) | 8-fp8 (--mapl-wire fp8)
     )
 
     @property
@@ -251,6 +251,8 @@ ROWS = [
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8-vq"),
     # the sparse wire: U d x d, each token's k largest values of z in FP8 and their positions, both ways
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8-topk", repeats=3),
+    # the dense FP8 wire: z and dL/dz as TACO FP8 messages at twice the rank, the same bytes as mapl8
+    _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8-fp8", repeats=3),
     # diagnostic: a fixed U and no anchors have no replica sync (where does the time go?)
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8-fixed"),
     # 10 iterations, save (torch_dist), load, 10 more: the loss should follow the uninterrupted mapl8 row
@@ -286,6 +288,7 @@ ROWS = [
     _row(ONE_GPU, "gpt", "te", "bf16", "none", pipeline=2),
     _row(ONE_GPU, "gpt", "te", "bf16", "none", pipeline=2, mapl="8"),
     _row(ONE_GPU, "gpt", "te", "bf16", "none", pipeline=2, mapl="8-topk"),
+    _row(ONE_GPU, "gpt", "te", "bf16", "none", pipeline=2, mapl="8-fp8"),
 ]
 SUITES = {
     "smoke": [
@@ -299,6 +302,7 @@ SUITES = {
         "socket-gpt-te-bf16-none-pp2",
         "socket-gpt-te-bf16-none-pp2-mapl8",
         "socket-gpt-te-bf16-none-pp2-mapl8-topk",
+        "socket-gpt-te-bf16-none-pp2-mapl8-fp8",
     ],
     "four-bit": [
         "socket-gpt-te-bf16-none",
@@ -358,6 +362,7 @@ MAPL = {
     "8-vq": ["--mapl-ratio", "8", "--mapl-vq-levels", "2"],
     "8-fixed": ["--mapl-ratio", "8", "--mapl-fixed-projection"],
     "8-topk": ["--mapl-ratio", "8", "--mapl-wire", "topk"],
+    "8-fp8": ["--mapl-ratio", "8", "--mapl-wire", "fp8"],
 }
 
 
