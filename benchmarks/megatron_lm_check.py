@@ -150,7 +150,8 @@ class Row:
     resume: bool = False  # stop at half the iterations with --save, then --load and finish (MAPL state restored?)
     mapl: str = (
         "none"  # none | 1 (--mapl-ratio 1: lossless, checks the plumbing) | 8 | 8-vq (--mapl-vq-levels 2) | 8-fixed
-        # | 8-topk (--mapl-wire topk) | 8-fp8 (--mapl-wire fp8)
+        # | 8-topk (--mapl-wire topk) | 8-fp8 (--mapl-wire fp8) | 8-bf16 (--mapl-wire bf16); "8" takes the default wire
+        # (auto: fp8 with --bf16 since 2026-12-06; rows of "8" before then ran the bf16 wire)
     )
 
     @property
@@ -253,6 +254,7 @@ ROWS = [
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8-topk", repeats=3),
     # the dense FP8 wire: z and dL/dz as TACO FP8 messages at twice the rank, the same bytes as mapl8
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8-fp8", repeats=3),
+    _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8-bf16", repeats=3),  # the default before auto
     # diagnostic: a fixed U and no anchors have no replica sync (where does the time go?)
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8-fixed"),
     # 10 iterations, save (torch_dist), load, 10 more: the loss should follow the uninterrupted mapl8 row
@@ -303,6 +305,7 @@ SUITES = {
         "socket-gpt-te-bf16-none-pp2-mapl8",
         "socket-gpt-te-bf16-none-pp2-mapl8-topk",
         "socket-gpt-te-bf16-none-pp2-mapl8-fp8",
+        "socket-gpt-te-bf16-none-pp2-mapl8-bf16",
     ],
     "four-bit": [
         "socket-gpt-te-bf16-none",
@@ -363,6 +366,7 @@ MAPL = {
     "8-fixed": ["--mapl-ratio", "8", "--mapl-fixed-projection"],
     "8-topk": ["--mapl-ratio", "8", "--mapl-wire", "topk"],
     "8-fp8": ["--mapl-ratio", "8", "--mapl-wire", "fp8"],
+    "8-bf16": ["--mapl-ratio", "8", "--mapl-wire", "bf16"],
 }
 
 

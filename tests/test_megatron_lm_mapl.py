@@ -439,3 +439,47 @@ def test_mapl_widths_are_checked_against_megatron_lms_interleaved_chunks_at_pars
         assert configure("--mapl-ratio", "8", hidden_size=None, **dense).ratio == 8
     finally:
         megatron_lm._STATE["cfg"] = None
+
+
+def test_the_default_wire_is_fp8_where_it_applies_and_says_why_not_elsewhere():
+    """--mapl-wire auto (the default): a --mapl-ratio run with a 2-byte pipeline dtype gets the FP8 wire at twice
+    the rank (measured better at the same bytes, mapl_loopback.md); every other run keeps bf16 and the reason is
+    in the start-up line; a wire given on the command line is taken as given."""
+    import argparse
+
+    from megatron_taco.config.mapl import add_mapl_args
+    from megatron_taco.mapl import megatron_lm
+
+    def configure(*flags, **given):
+        args = add_mapl_args(argparse.ArgumentParser()).parse_args(list(flags))
+        megatron = dict(hidden_size=64, num_layers=8, pipeline_model_parallel_size=2, position_embedding_type="rope")
+        megatron.update(tensor_model_parallel_size=1, world_size=2)
+        megatron.update({"bf16": True, **given})
+        cfg = megatron_lm.configure(argparse.Namespace(**vars(args), **megatron))
+        return cfg.wire, cfg.wire_rank(64), cfg.wire_choice
+
+    try:
+        wire, rank, why = configure("--mapl-ratio", "8")
+        assert (wire, rank) == (
+            "fp8",
+            16,
+        ) and why == "--mapl-wire auto: fp8, twice the rank (16) at the same bytes per token"
+        assert configure("--mapl-ratio", "8", bf16=False, fp16=True)[0] == "fp8"
+        kept = {
+            "2-byte pipeline dtype, not 4-byte": configure("--mapl-ratio", "8", bf16=False),
+            "--mapl-rank / --mapl-ranks set the width": configure("--mapl-rank", "8"),
+            "--mapl-vq-levels sends code indices": configure("--mapl-ratio", "8", "--mapl-vq-levels", "1"),
+            "rank 2 x 64 / 1 = 128 is not a multiple of 16 up to the hidden size": configure("--mapl-ratio", "1"),
+            "rank 2 x 64 / 16 = 8 is not a multiple of 16": configure("--mapl-ratio", "16"),
+            "virtual pipeline stages overlap their P2P": configure(
+                "--mapl-ratio", "8", num_layers_per_virtual_pipeline_stage=1, overlap_p2p_comm=True
+            ),
+        }
+        for reason, (wire, rank, why) in kept.items():
+            assert wire == "bf16" and why.startswith("--mapl-wire auto: bf16, ") and reason in why, (reason, why)
+        assert kept["--mapl-rank / --mapl-ranks set the width"][1] == 8
+        assert configure("--mapl-ratio", "8", hidden_size=None)[2].endswith("not known before the model is built")
+        assert configure("--mapl-ratio", "8", "--mapl-wire", "bf16") == ("bf16", 8, None)
+        assert configure("--mapl-ratio", "8", "--mapl-wire", "fp8", bf16=False) == ("fp8", 16, None)
+    finally:
+        megatron_lm._STATE["cfg"] = None

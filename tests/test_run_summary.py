@@ -173,6 +173,18 @@ ANCHOR = 64  # --mapl-anchor-rank default
 SYNC = 2 * FP32 * (D * R + VOCAB * ANCHOR + ANCHOR * D + S * ANCHOR)
 
 
+def test_the_trainer_takes_the_fp8_wire_by_default_for_a_2_byte_pipeline_dtype():
+    """The default --mapl-wire auto in the trainer: with --dtype bf16 (a GPU run) the FP8 wire at twice the rank
+    (2d / 4 = 32 values at 4x in bytes) and the reason for the start-up line; fp32 keeps bf16 (the test above)."""
+    from megatron_taco.training import cli
+
+    for dtype, wire, rank in (("bf16", "fp8", 2 * R), ("fp16", "fp8", 2 * R), ("fp32", "bf16", R)):
+        mapl = cli.parse_args(MAPL_PP2 + ["--dtype", dtype]).mapl
+        assert (mapl.wire, mapl.wire_rank(D)) == (wire, rank), dtype
+        assert mapl.wire_choice.startswith(f"--mapl-wire auto: {wire}, "), mapl.wire_choice
+    assert cli.parse_args(MAPL_PP2 + ["--dtype", "bf16", "--mapl-wire", "bf16"]).mapl.wire_choice is None
+
+
 def test_mapl_pp2_lines_and_summary_count_the_boundary_traffic():
     """PP=2 at 4x on fp32 activations: per step, d-wide activations of every token would cross forward and
     backward; r-wide ones do. Validation's forward passes are not counted."""
@@ -184,6 +196,7 @@ def test_mapl_pp2_lines_and_summary_count_the_boundary_traffic():
     )[0]
     assert len(losses) == 4
     assert re.search(rf"^MAPL: 1 boundary, hidden {D} -> \[{R}\] \(4x\), ", out, re.M), out[:3000]
+    assert "(--mapl-wire auto: bf16, the FP8 wire keeps --mapl-ratio's bytes for a 2-byte pipeline dtype" in out
     steps = _check_steps_line(out, 1, 4, 4)
     validation = float(_one(r"^validation at step 4 \| loss ([\d.]+)$", out))
     assert _one(r"^run summary: final loss ([\d.]+) \(step 4\); final validation loss ([\d.]+) \(step 4\)$", out) == (

@@ -9,13 +9,14 @@ from typing import List, Optional, Tuple
 from megatron_taco.codec.topk import topk_count, topk_token_bytes
 from megatron_taco.config.errors import MaplConfigError
 
-__all__ = ["ANCHOR_INITS", "WIRES", "MaplConfig", "add_mapl_args", "mapl_config_from_args"]
+__all__ = ["ANCHOR_INITS", "WIRES", "MaplConfig", "add_mapl_args", "auto_wire", "mapl_config_from_args"]
 
 
 ANCHOR_INITS = ("embedding", "random")
 # what z travels as: "bf16" = the pipeline dtype; "fp8" = TACO's FP8 codec, at twice the rank for a ratio;
 # "topk" = U square, each token's k largest values of z in FP8 and which they are (``codec.topk``)
 WIRES = {"bf16": 1, "fp8": 2, "topk": None}  # wire name: rank multiplier at a given --mapl-ratio (None: r = d)
+FP8_WIRE_GROUP = 16  # the FP8 wire's rank must be a multiple of the codec's smallest group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +50,8 @@ class MaplConfig:
     vq_sync_rows: int = 0
     vq_sync_tolerance: float = 1e-3
     wire: str = "bf16"
+    # how --mapl-wire auto chose ``wire``, for the start-up line (None: the wire was given); not part of the setting
+    wire_choice: Optional[str] = dataclasses.field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         if self.wire not in WIRES:
@@ -95,7 +98,7 @@ class MaplConfig:
         """r of ``boundary`` for a model of hidden size d, checked against it (and, with the FP8 wire, against the
         codec's groups of 16 to 128 values)."""
         r = self._width(hidden_size, boundary)
-        if self.wire == "fp8" and r % 16:
+        if self.wire == "fp8" and r % FP8_WIRE_GROUP:
             given = "--mapl-rank" if self.rank is not None else "--mapl-ratio"
             raise MaplConfigError(
                 f"--mapl-wire fp8 with {given}: the wire rank {r} (hidden size {hidden_size}) must be a multiple of 16"
@@ -172,9 +175,10 @@ def add_mapl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--mapl-wire",
-        choices=tuple(WIRES),
-        default="bf16",
-        help="what z travels as: bf16 = the pipeline dtype; fp8 = TACO's FP8 codec forward and backward "
+        choices=("auto", *WIRES),
+        default="auto",
+        help="what z travels as: auto (default) = fp8 with --mapl-ratio wherever it applies, else bf16 (the "
+        "start-up line says which and why); bf16 = the pipeline dtype; fp8 = TACO's FP8 codec forward and backward "
         "(Hadamard, a scale byte per group of up to 128 values; r a multiple of 16) at twice the rank, so "
         "--mapl-ratio keeps its bytes for a 2-byte pipeline dtype; topk = U square, and each token sends only its "
         "k largest values of z in FP8 with their positions (both ways), k the most that keep --mapl-ratio in bytes",
@@ -238,8 +242,46 @@ def add_mapl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def mapl_config_from_args(args: argparse.Namespace) -> Optional[MaplConfig]:
-    """None when MAPL is off; raises MaplConfigError naming the flag for invalid values."""
+def auto_wire(
+    ratio: Optional[float],
+    vq_levels: int,
+    hidden_size: Optional[int],
+    element_size: Optional[int],
+    decode_on_arrival: bool,
+) -> Tuple[str, str]:
+    """``--mapl-wire auto``: (wire, why). The FP8 wire where it applies: at the same bytes per token it keeps twice
+    the rank, and the loss follows the rank (GPU, 5 seeds, against equal parameters: 8x +3.14% vs +4.51% with bf16,
+    16x +4.52% vs +6.45%, 32x +6.86% vs +9.60%; benchmarks/results/mapl_loopback.md). Else bf16, and why."""
+    if ratio is None:
+        return "bf16", "--mapl-rank / --mapl-ranks set the width of z in the pipeline dtype"
+    if vq_levels:
+        return "bf16", "--mapl-vq-levels sends code indices"
+    if hidden_size is None or element_size is None:
+        return "bf16", "the hidden size or pipeline dtype is not known before the model is built"
+    if element_size != 2:
+        return "bf16", f"the FP8 wire keeps --mapl-ratio's bytes for a 2-byte pipeline dtype, not {element_size}-byte"
+    if not decode_on_arrival:
+        return "bf16", "virtual pipeline stages overlap their P2P (--no-overlap-p2p-communication lets fp8 apply)"
+    r = WIRES["fp8"] * hidden_size / ratio
+    if r != int(r) or r % FP8_WIRE_GROUP or r > hidden_size:
+        return "bf16", (
+            f"the FP8 wire's rank {WIRES['fp8']} x {hidden_size} / {ratio:g} = {r:g} is not a multiple of "
+            f"{FP8_WIRE_GROUP} up to the hidden size"
+        )
+    return "fp8", f"twice the rank ({int(r)}) at the same bytes per token"
+
+
+def mapl_config_from_args(
+    args: argparse.Namespace,
+    hidden_size: Optional[int] = None,
+    element_size: Optional[int] = None,
+    decode_on_arrival: bool = True,
+) -> Optional[MaplConfig]:
+    """None when MAPL is off; raises MaplConfigError naming the flag for invalid values.
+
+    ``--mapl-wire auto`` resolves here (:func:`auto_wire`) from the model's hidden size and the bytes of an element
+    of its pipeline dtype (None: not known yet, so bf16) and whether the pipeline schedule lets a wire decode P2P
+    messages on arrival (not under virtual pipeline stages' overlapped P2P)."""
     given = [
         flag
         for flag, value in (
@@ -269,7 +311,7 @@ def mapl_config_from_args(args: argparse.Namespace) -> Optional[MaplConfig]:
         orphans += ["--mapl-fixed-projection"] if args.mapl_fixed_projection else []
         orphans += ["--mapl-position-anchors"] if args.mapl_position_anchors != "auto" else []
         orphans += ["--mapl-anchor-init"] if args.mapl_anchor_init != defaults.anchor_init else []
-        orphans += ["--mapl-wire"] if args.mapl_wire != defaults.wire else []
+        orphans += ["--mapl-wire"] if args.mapl_wire != "auto" else []
         if orphans:
             raise MaplConfigError(
                 f"{', '.join(orphans)} given without --mapl-ratio, --mapl-rank or --mapl-ranks (MAPL is off)"
@@ -317,6 +359,10 @@ def mapl_config_from_args(args: argparse.Namespace) -> Optional[MaplConfig]:
         )
     if args.mapl_vq_sync_tolerance < 0:
         raise MaplConfigError(f"--mapl-vq-sync-tolerance: invalid value {args.mapl_vq_sync_tolerance:g}; must be >= 0")
+    wire, wire_choice = args.mapl_wire, None
+    if wire == "auto":
+        wire, why = auto_wire(args.mapl_ratio, args.mapl_vq_levels, hidden_size, element_size, decode_on_arrival)
+        wire_choice = f"--mapl-wire auto: {wire}, {why}"
     return MaplConfig(
         rank=args.mapl_rank,
         ratio=args.mapl_ratio,
@@ -333,5 +379,6 @@ def mapl_config_from_args(args: argparse.Namespace) -> Optional[MaplConfig]:
         vq_decay=args.mapl_vq_decay,
         vq_sync_rows=args.mapl_vq_sync_rows,
         vq_sync_tolerance=args.mapl_vq_sync_tolerance,
-        wire=args.mapl_wire,
+        wire=wire,
+        wire_choice=wire_choice,
     )

@@ -40,14 +40,16 @@ _STATE: dict = {"cfg": None, "stages": [], "sync": None}
 
 def configure(args: argparse.Namespace) -> Optional[MaplConfig]:
     """MAPL's config from Megatron-LM's parsed ``args`` (None: off); raises MaplConfigError naming the flag."""
-    cfg = mapl_config_from_args(args)
+    overlapped_p2p = bool(_model_chunks(args)) and getattr(args, "overlap_p2p_comm", False)
+    element_size = 2 if getattr(args, "bf16", False) or getattr(args, "fp16", False) else 4  # the params' dtype
+    cfg = mapl_config_from_args(args, args.hidden_size, element_size, decode_on_arrival=not overlapped_p2p)
     _STATE["cfg"] = cfg
     if cfg is None:
         return None
     if args.hidden_size is not None:  # None with --use-checkpoint-args: the model build checks the widths
         cfg.wire_ranks(args.hidden_size, args.pipeline_model_parallel_size, _model_chunks(args))
     cfg.anchors_positions(args.position_embedding_type)
-    if cfg.wire != "bf16" and _model_chunks(args) and getattr(args, "overlap_p2p_comm", False):
+    if cfg.wire != "bf16" and overlapped_p2p:
         raise MaplConfigError(  # the interleaved schedule's overlap hands on P2P buffers before they arrive
             f"--mapl-wire {cfg.wire} with virtual pipeline stages decodes P2P messages on arrival; "
             "add --no-overlap-p2p-communication"
@@ -133,7 +135,7 @@ def attach(model: Any) -> Optional[str]:
                 f"{side} boundary {codec.boundary} at width {codec.rank} of {codec.hidden_size} "
                 f"({describe_compression(codec.hidden_size, codec.rank, codec.wire, dtype.itemsize)}{vq})"
             )
-    return "; ".join(parts)
+    return "; ".join(parts) + (f" ({cfg.wire_choice})" if cfg.wire_choice else "")
 
 
 def _replace_everywhere(original: Callable, replacement: Callable) -> None:

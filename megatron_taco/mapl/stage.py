@@ -524,7 +524,7 @@ def attach_mapl(
     if getattr(config, "variable_seq_lengths", False) and (cfg.wire != "bf16" or cfg.vq_levels):
         raise MaplConfigError(
             f"{f'--mapl-wire {cfg.wire}' if cfg.wire != 'bf16' else '--mapl-vq-levels'} with a model whose config sets "
-            "variable_seq_lengths: that wire's messages have one size for the whole run; use the default wire"
+            "variable_seq_lengths: that wire's messages have one size for the whole run; pass --mapl-wire bf16"
         )
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     widths = cfg.wire_ranks(config.hidden_size, pp, config.virtual_pipeline_model_parallel_size)

@@ -267,7 +267,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     try:
         args.taco = taco_config_from_args(args)
         check_switch_before_end(args.taco, args.train_iters)
-        args.mapl = mapl_config_from_args(args)
+        args.mapl = mapl_config_from_args(args, model.get("hidden_size"), 4 if args.dtype == "fp32" else 2)
     except ConfigError as exc:  # the --taco-* and --mapl-* families
         raise StartupError(str(exc)) from None
     args.taco_unused = None  # at TP=1 (e.g. a config's TACO mode in a PP-only run) TACO is off, and the log says so
@@ -591,6 +591,7 @@ def _train(args: argparse.Namespace) -> List[float]:
                 else ""
             )
             + (", fixed projection" if args.mapl.fixed_projection else "")
+            + (f" ({args.mapl.wire_choice})" if args.mapl.wire_choice else "")
             + (
                 f", residual VQ {args.mapl.vq_levels} x {args.mapl.vq_codes} codes ({_vq_wire(args, trainer)})"
                 if args.mapl.vq_levels
