@@ -271,6 +271,16 @@ def test_the_fp8_wire_in_megatron_lm_sends_codec_messages_both_ways():
     assert receiver["losses"][-1] < receiver["losses"][0], receiver["losses"]
 
 
+def test_the_default_wire_in_bf16_megatron_lm_sends_fp8_codec_messages():
+    """--mapl-ratio 4 with --bf16 and no --mapl-wire (auto): the FP8 wire, r = 2d / 4 = 16 values of one byte per
+    token plus one scale byte per 16, after a 16-byte header, sent as one message of bf16 elements each way."""
+    sender, receiver = run_distributed(_megatron_lm_steps, 2, ["--mapl-ratio", "4"], 2, bf16=True, timeout=240)
+    message = 16 + SEQ * MICRO_BATCH * (16 + 1)
+    assert sender["p2p_shapes"] == receiver["p2p_shapes"] == [(1, 1, message // 2)] * 2
+    u = sender["saved"]["mapl_send_0.projection"]  # Float16Module wraps the model: its state dict holds the codecs
+    assert u.shape == (32, 16) and torch.equal(u, receiver["saved"]["mapl_recv_0.projection"])
+
+
 def test_the_topk_wire_in_megatron_lm_sends_k_values_and_their_positions_both_ways():
     """--mapl-wire topk at 4x in bytes: U is d x d (32), each token sends its 11 largest values of z in FP8, a
     32-bit mask and a scale byte (16 bytes, no header), as one message of fp32 elements each way; it trains,

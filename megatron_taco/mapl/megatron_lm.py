@@ -40,7 +40,8 @@ _STATE: dict = {"cfg": None, "stages": [], "sync": None}
 
 def configure(args: argparse.Namespace) -> Optional[MaplConfig]:
     """MAPL's config from Megatron-LM's parsed ``args`` (None: off); raises MaplConfigError naming the flag."""
-    overlapped_p2p = bool(_model_chunks(args)) and getattr(args, "overlap_p2p_comm", False)
+    given = any(getattr(args, flag, None) is not None for flag in ("mapl_ratio", "mapl_rank", "mapl_ranks"))
+    overlapped_p2p = given and bool(_model_chunks(args)) and getattr(args, "overlap_p2p_comm", False)
     element_size = 2 if getattr(args, "bf16", False) or getattr(args, "fp16", False) else 4  # the params' dtype
     cfg = mapl_config_from_args(args, args.hidden_size, element_size, decode_on_arrival=not overlapped_p2p)
     _STATE["cfg"] = cfg
@@ -135,7 +136,7 @@ def attach(model: Any) -> Optional[str]:
                 f"{side} boundary {codec.boundary} at width {codec.rank} of {codec.hidden_size} "
                 f"({describe_compression(codec.hidden_size, codec.rank, codec.wire, dtype.itemsize)}{vq})"
             )
-    return "; ".join(parts) + (f" ({cfg.wire_choice})" if cfg.wire_choice else "")
+    return "; ".join(parts + ([cfg.wire_choice] if cfg.wire_choice else []))
 
 
 def _replace_everywhere(original: Callable, replacement: Callable) -> None:

@@ -591,12 +591,12 @@ def _train(args: argparse.Namespace) -> List[float]:
                 else ""
             )
             + (", fixed projection" if args.mapl.fixed_projection else "")
-            + (f" ({args.mapl.wire_choice})" if args.mapl.wire_choice else "")
             + (
                 f", residual VQ {args.mapl.vq_levels} x {args.mapl.vq_codes} codes ({_vq_wire(args, trainer)})"
                 if args.mapl.vq_levels
                 else ""
             )
+            + (f"; {args.mapl.wire_choice}" if args.mapl.wire_choice else "")
         )
     try:  # a --data source or a --load checkpoint this run cannot use: the message names the flag
         # one identical stream per model chunk (the interleaved schedule reads each chunk's own)
