@@ -279,7 +279,10 @@ def test_mapl_vq_summary_of_a_resumed_run_counts_the_indices_sent(tmp_path):
     )[0]
     assert len(losses) == 2
     assert re.search(
-        r"residual VQ 2 x 32 codes \(2 index bytes/token forward, sent as 4 bytes in float32\)$", out, re.M
+        r"residual VQ 2 x 32 codes \(2 index bytes/token forward, sent as 4 bytes in float32\); "
+        r"--mapl-wire auto: bf16, --mapl-vq-levels sends code indices$",
+        out,
+        re.M,
     ), out[:3000]
     _check_steps_line(out, 3, 4, 4, resumed=", resumed from step 2")
     rows = [int(n) for n in re.findall(r"^step \d/4 .*\| (\d+) code words synced$", out, re.M)]  # rank 0 sends them
