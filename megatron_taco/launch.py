@@ -307,6 +307,29 @@ def _patch_training_log() -> None:
     mlm_training.training_log = training_log
 
 
+def _patch_checkpoint_load() -> None:
+    """Megatron-LM reads a checkpoint's saved args before its tensors: a checkpoint whose MAPL boundaries have other
+    widths than this run's stops there with one line naming the flags, not with a shape mismatch."""
+    try:
+        from megatron.training import checkpointing
+    except ImportError:  # megatron-core without Megatron-LM's training package
+        return
+    load_base = checkpointing._load_base_checkpoint
+
+    @functools.wraps(load_base)
+    def _load_base_checkpoint(load_dir, args, *rest, **kwargs):
+        result = load_base(load_dir, args, *rest, **kwargs)
+        state_dict = result[0] if isinstance(result, tuple) else None
+        if isinstance(state_dict, dict) and state_dict.get("args") is not None:
+            try:  # this run's args as passed: before global args exist with --use-checkpoint-args
+                mapl_hooks.check_checkpoint_args(state_dict["args"], args, load_dir)
+            except ConfigError as exc:
+                _fail(str(exc))
+        return result
+
+    checkpointing._load_base_checkpoint = _load_base_checkpoint
+
+
 def install_hooks() -> None:
     """Patch Megatron-LM / megatron-core entry points (idempotent)."""
     if _STATE["installed"]:
@@ -323,6 +346,7 @@ def install_hooks() -> None:
     _patch_torch_norm()
     _patch_model_build()
     _patch_training_log()
+    _patch_checkpoint_load()
     mapl_hooks.install()
     _STATE["installed"] = True
 

@@ -493,3 +493,62 @@ def test_the_default_wire_is_fp8_where_it_applies_and_says_why_not_elsewhere():
         assert configure("--mapl-ratio", "8", "--mapl-wire", "fp8", bf16=False) == ("fp8", 16, None)
     finally:
         megatron_lm._STATE["cfg"] = None
+
+
+def _read_checkpoint_args(saved_flags, run_flags, directory):
+    """A torch_dist checkpoint's common state (the saved run's args, as Megatron-LM parsed them) in megatron-core's
+    layout, read back as Megatron-LM's load_checkpoint first reads it, under this run's flags (launcher hooks
+    installed): (exit code or None, stderr)."""
+    import contextlib
+    import io
+    import os
+    import sys
+
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig, save_config
+    from megatron.training import arguments, checkpointing
+
+    from megatron_taco.launch import install_hooks
+
+    install_hooks()
+
+    def parse(mapl_flags):
+        sys.argv = ["pretrain_gpt.py", *FLAGS, *mapl_flags, "--bf16"]
+        return arguments.parse_args()
+
+    saved = parse(saved_flags)
+    path = os.path.join(directory, "iter_0000001")
+    if dist.get_rank() == 0:  # the files rank 0 writes (no sharded tensors: the common state and the format)
+        os.makedirs(path)
+        torch.save({"args": saved, "iteration": 1}, os.path.join(path, "common.pt"))
+        save_config(CheckpointingConfig("torch_dist"), path)
+        with open(checkpointing.get_checkpoint_tracker_filename(directory), "w") as f:
+            f.write("1")
+    dist.barrier()
+    dist.destroy_process_group()  # read as before initialisation: with a process group the reader takes CUDA
+    args = parse(run_flags)  # no global args yet: as with --use-checkpoint-args, before Megatron-LM sets them
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            checkpointing._load_base_checkpoint(directory, args, rank0=True)
+        except SystemExit as exc:
+            return exc.code, err.getvalue()
+    return None, err.getvalue()
+
+
+def test_a_checkpoint_of_other_mapl_widths_stops_the_load_with_one_line(tmp_path):
+    """A checkpoint saved with the bf16 wire (the default before auto) read by a run at the default (auto: FP8, twice
+    the rank): one line on rank 0 naming the flags, exit 2, before any tensor is loaded; the same flags load on."""
+    bf16 = ["--mapl-ratio", "4", "--mapl-wire", "bf16"]
+    old, new = (
+        run_distributed(_read_checkpoint_args, 2, bf16, flags, str(tmp_path / name), timeout=240)
+        for name, flags in (("old", ["--mapl-ratio", "4"]), ("same", bf16))
+    )
+    assert [code for code, _ in old] == [2, 2]
+    assert old[0][1] == (
+        f"error: --load {tmp_path / 'old'}: its MAPL boundaries were saved with --mapl-ratio 4 --mapl-wire bf16, this "
+        "run has --mapl-ratio 4 --mapl-wire fp8 (--mapl-wire auto: fp8, twice the rank (16) at the same bytes per "
+        "token); resume with the flags it was saved with\n"
+    )
+    assert old[1][1] == ""  # one line, on rank 0
+    assert [code for code, _ in new] == [None, None]

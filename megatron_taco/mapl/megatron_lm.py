@@ -33,7 +33,7 @@ from typing import Any, Callable, List, Optional
 
 from megatron_taco.config.mapl import MaplConfig, MaplConfigError, mapl_config_from_args
 
-__all__ = ["configure", "attach", "install", "log_lines"]
+__all__ = ["configure", "attach", "check_checkpoint_args", "install", "log_lines"]
 
 _STATE: dict = {"cfg": None, "stages": [], "sync": None}
 
@@ -47,6 +47,7 @@ def configure(args: argparse.Namespace) -> Optional[MaplConfig]:
     _STATE["cfg"] = cfg
     if cfg is None:
         return None
+    args.mapl_wire = cfg.wire  # the wire auto chose, as Megatron-LM's checkpoints will record it
     if args.hidden_size is not None:  # None with --use-checkpoint-args: the model build checks the widths
         cfg.wire_ranks(args.hidden_size, args.pipeline_model_parallel_size, _model_chunks(args))
     cfg.anchors_positions(args.position_embedding_type)
@@ -87,6 +88,36 @@ def configure(args: argparse.Namespace) -> Optional[MaplConfig]:
             "stage's hidden states in ways MAPL does not cover; drop one"
         )
     return cfg
+
+
+_WIDTH_FLAGS = ("mapl_ratio", "mapl_rank", "mapl_ranks", "mapl_wire")  # what sets the boundaries' tensor shapes
+
+
+def _width_settings(args: Any) -> str:
+    """The flags of ``args`` that set MAPL's tensor shapes, as given (the wire as recorded: bf16 before it existed)."""
+    values = {name: getattr(args, name, None) for name in _WIDTH_FLAGS}
+    values["mapl_wire"] = values["mapl_wire"] or "bf16"
+    return " ".join(
+        f"--{name.replace('_', '-')} {value:g}" if isinstance(value, float) else f"--{name.replace('_', '-')} {value}"
+        for name, value in values.items()
+        if value is not None
+    )
+
+
+def check_checkpoint_args(checkpoint_args: Any, args: argparse.Namespace, load_dir: str) -> None:
+    """Before Megatron-LM loads a checkpoint's tensors: MaplConfigError naming the flags when its MAPL boundaries
+    were saved with other widths than this run's ``args`` (the load would stop on a shape mismatch). A checkpoint
+    saved without MAPL is left to Megatron-LM (it names the missing tensors)."""
+    cfg = _STATE["cfg"]
+    if cfg is None or all(getattr(checkpoint_args, name, None) is None for name in _WIDTH_FLAGS[:3]):
+        return
+    saved, now = _width_settings(checkpoint_args), _width_settings(args)
+    if saved != now and not saved.endswith("--mapl-wire auto"):  # configure() records the wire auto chose
+        raise MaplConfigError(
+            f"--load {load_dir}: its MAPL boundaries were saved with {saved}, this run has {now}"
+            + (f" ({cfg.wire_choice})" if cfg.wire_choice else "")
+            + "; resume with the flags it was saved with"
+        )
 
 
 def _model_chunks(args: argparse.Namespace) -> Optional[int]:
