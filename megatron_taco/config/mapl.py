@@ -101,7 +101,8 @@ class MaplConfig:
         if self.wire == "fp8" and r % FP8_WIRE_GROUP:
             given = "--mapl-rank" if self.rank is not None else "--mapl-ratio"
             raise MaplConfigError(
-                f"--mapl-wire fp8 with {given}: the wire rank {r} (hidden size {hidden_size}) must be a multiple of 16"
+                f"--mapl-wire fp8 with {given}: the wire rank {r} (hidden size {hidden_size}) must be a multiple of "
+                f"{FP8_WIRE_GROUP}"
             )
         return r
 

@@ -41,7 +41,8 @@ _STATE: dict = {"cfg": None, "stages": [], "sync": None}
 def configure(args: argparse.Namespace) -> Optional[MaplConfig]:
     """MAPL's config from Megatron-LM's parsed ``args`` (None: off); raises MaplConfigError naming the flag."""
     given = any(getattr(args, flag, None) is not None for flag in ("mapl_ratio", "mapl_rank", "mapl_ranks"))
-    overlapped_p2p = given and bool(_model_chunks(args)) and getattr(args, "overlap_p2p_comm", False)
+    chunks = _model_chunks(args) if given else None  # MAPL off reads nothing more
+    overlapped_p2p = bool(chunks) and getattr(args, "overlap_p2p_comm", False)
     element_size = 2 if getattr(args, "bf16", False) or getattr(args, "fp16", False) else 4  # the params' dtype
     cfg = mapl_config_from_args(args, args.hidden_size, element_size, decode_on_arrival=not overlapped_p2p)
     _STATE["cfg"] = cfg
@@ -49,7 +50,7 @@ def configure(args: argparse.Namespace) -> Optional[MaplConfig]:
         return None
     args.mapl_wire = cfg.wire  # the wire auto chose, as Megatron-LM's checkpoints will record it
     if args.hidden_size is not None:  # None with --use-checkpoint-args: the model build checks the widths
-        cfg.wire_ranks(args.hidden_size, args.pipeline_model_parallel_size, _model_chunks(args))
+        cfg.wire_ranks(args.hidden_size, args.pipeline_model_parallel_size, chunks)
     cfg.anchors_positions(args.position_embedding_type)
     if cfg.wire != "bf16" and overlapped_p2p:
         raise MaplConfigError(  # the interleaved schedule's overlap hands on P2P buffers before they arrive
@@ -112,7 +113,7 @@ def check_checkpoint_args(checkpoint_args: Any, args: argparse.Namespace, load_d
     if cfg is None or all(getattr(checkpoint_args, name, None) is None for name in _WIDTH_FLAGS[:3]):
         return
     saved, now = _width_settings(checkpoint_args), _width_settings(args)
-    if saved != now and not saved.endswith("--mapl-wire auto"):  # configure() records the wire auto chose
+    if saved != now:  # configure() records the wire auto chose, so both name a wire
         raise MaplConfigError(
             f"--load {load_dir}: its MAPL boundaries were saved with {saved}, this run has {now}"
             + (f" ({cfg.wire_choice})" if cfg.wire_choice else "")

@@ -47,7 +47,7 @@ from megatron_taco.config.taco import (
 from megatron_taco.megatron.telemetry import TELEMETRY, TrafficRecord
 from megatron_taco.training.checkpoint import check_saved_layout, latest_step, load_checkpoint, save_checkpoint
 from megatron_taco.training.data import byte_text_batches, stdlib_text_files, synthetic_batches
-from megatron_taco.training.loop import LR_DECAY_STYLES, Trainer, TrainConfig, init_distributed
+from megatron_taco.training.loop import DTYPES, LR_DECAY_STYLES, Trainer, TrainConfig, init_distributed
 from megatron_taco.training.model import ModelShape
 
 __all__ = [
@@ -267,7 +267,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     try:
         args.taco = taco_config_from_args(args)
         check_switch_before_end(args.taco, args.train_iters)
-        args.mapl = mapl_config_from_args(args, model.get("hidden_size"), 4 if args.dtype == "fp32" else 2)
+        args.mapl = mapl_config_from_args(args, model.get("hidden_size"), DTYPES[args.dtype].itemsize)
     except ConfigError as exc:  # the --taco-* and --mapl-* families
         raise StartupError(str(exc)) from None
     args.taco_unused = None  # at TP=1 (e.g. a config's TACO mode in a PP-only run) TACO is off, and the log says so

@@ -39,9 +39,9 @@ from megatron_taco.megatron.specs import LOCAL_SPEC_CONFIG
 from megatron_taco.megatron.telemetry import TELEMETRY
 from megatron_taco.training.model import ModelShape, build_gpt_model, make_transformer_config
 
-__all__ = ["LR_DECAY_STYLES", "TrainConfig", "init_distributed", "Trainer", "train"]
+__all__ = ["DTYPES", "LR_DECAY_STYLES", "TrainConfig", "init_distributed", "Trainer", "train"]
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LR_DECAY_STYLES = ("constant", "linear", "cosine")
 
 
@@ -73,8 +73,8 @@ class TrainConfig:
     mapl: Optional[MaplConfig] = None  # None: uncompressed pipeline boundaries
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise TrainConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPES:
+            raise TrainConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         self._check_lr_schedule()
         if self.sequence_parallel and self.tensor_parallel == 1:
             raise TrainConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1")
@@ -189,7 +189,7 @@ class Trainer:
         model_parallel_cuda_manual_seed(cfg.seed)
         torch.manual_seed(cfg.seed)
         self.device = _device()
-        dtype = _DTYPES[cfg.dtype]
+        dtype = DTYPES[cfg.dtype]
         self.config = make_transformer_config(
             cfg.shape,
             tensor_parallel=cfg.tensor_parallel,
