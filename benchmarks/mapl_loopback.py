@@ -22,6 +22,8 @@ stays in span(U) and the boundary drops nothing; the layers before it work in an
 beside the anchors), ``+fp8`` / ``+int4`` (the same bytes per token spent on a wider z: rank 2d / R in FP8 or
 4d / R in INT4, z and dL/dz through TACO's codec, Hadamard and one power-of-two scale per group of up to 128;
 the scale bytes make the real ratio a little lower, and the report names it; ``+fp8`` is ``--mapl-wire fp8``),
+``+int4sr`` (``+int4`` with dL/dz stochastically rounded: unbiased), ``+int4fwd`` (INT4 forward, dL/dz in FP8 at
+the same rank: twice the backward bytes, a diagnostic of which direction's rounding costs),
 ``+topk`` (``--mapl-wire topk``: U square, each token sends its k largest coordinates in FP8 and which they are,
 k the most that keeps ratio R; dL/dz returns at the same k),
 ``+anchorsK`` (anchor rank K), ``+ulrF`` (U's manifold learning rate F, ``--mapl-lr``), ``+uadamF`` (U trained by
@@ -56,7 +58,7 @@ from megatron_taco.mapl.anchor_init import start_anchors_from_embedding
 from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stage import step_projections_with
 from megatron_taco.mapl.stiefel import StiefelAdam, StiefelMomentumSGD
-from megatron_taco.mapl.wire import compression_ratio, wire_codec
+from megatron_taco.mapl.wire import compression_ratio, fp8_wire_codec, wire_codec
 from megatron_taco.testing.distributed import run_distributed
 from megatron_taco.training.data import cache_stdlib_text, stdlib_text_batches
 from megatron_taco.training.model import ModelShape
@@ -126,11 +128,12 @@ class LoopbackBoundary(torch.nn.Module):
         return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
 
-# Bits per value of the "+fp8" / "+int4" variants: TACO's codec on z (forward) and dL/dz (backward), the
+# Bits per value of z for the "+fp8" / "+int4*" variants: TACO's codec on z (forward) and dL/dz (backward), the
 # Hadamard transform on, one power-of-two scale byte per group of a token's z. FP8 is --mapl-wire fp8's codec
-# (``mapl.wire.fp8_wire_codec``); INT4 exists only here. "+topk" is --mapl-wire topk (``codec.topk``): U square,
-# k FP8 values per token.
-WIRE_BITS = {"fp8": 8, "int4": 4, "topk": 8}
+# (``mapl.wire.fp8_wire_codec``); the INT4 wires exist only here: "int4" rounds both ways to nearest, "int4sr"
+# rounds dL/dz stochastically, "int4fwd" sends dL/dz in FP8. "+topk" is --mapl-wire topk (``codec.topk``): U
+# square, k FP8 values per token.
+WIRE_BITS = {"fp8": 8, "int4": 4, "int4sr": 4, "int4fwd": 4, "topk": 8}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,19 +159,28 @@ class Variant:
 
     def wire_codec(self, hidden_size: int):
         """The codec of the z message (None: bf16)."""
-        if self.wire == "int4":
+        if self.wire.startswith("int4"):
             return TacoCodec(min(128, self.rank(hidden_size)), "int4", "ash", "e8m0")
         return wire_codec(self.mapl_config(hidden_size), self.rank(hidden_size))
 
+    def grad_codec(self, hidden_size: int):
+        """The codec of the dL/dz message: the z message's, but for "int4sr" (stochastic rounding, seeded) and
+        "int4fwd" (FP8)."""
+        rank = self.rank(hidden_size)
+        if self.wire == "int4sr":
+            return TacoCodec(min(128, rank), "int4", "ash", "e8m0", rounding="stochastic")
+        return fp8_wire_codec(rank) if self.wire == "int4fwd" else self.wire_codec(hidden_size)
+
     def wire_round_trip(self, hidden_size: int):
         """What z and dL/dz come out as after the wire (a function of z; None: z as it is, bf16)."""
-        codec = self.wire_codec(hidden_size)
+        codec, grad_codec = self.wire_codec(hidden_size), self.grad_codec(hidden_size)
         if self.wire == "topk":  # the receiving stage keeps dL/dz on what arrived, as at PP=2 (``MaplStage``)
-            return lambda z: TopKCodec.support_only(_WireRoundTrip.apply(z, codec))
-        return None if codec is None else (lambda z: _WireRoundTrip.apply(z, codec))
+            return lambda z: TopKCodec.support_only(_WireRoundTrip.apply(z, codec, grad_codec))
+        return None if codec is None else (lambda z: _WireRoundTrip.apply(z, codec, grad_codec))
 
     def wire_ratio(self, hidden_size: int) -> float:
-        """bf16 bytes of h over the wire bytes of z, per token (scales included, the message header not)."""
+        """bf16 bytes of h over the wire bytes of z, per token (scales included, the message header not; forward:
+        "int4fwd" sends twice these bytes backward)."""
         return compression_ratio(hidden_size, self.rank(hidden_size), self.wire_codec(hidden_size), 2)
 
     def mapl_config(self, hidden_size: int) -> MaplConfig:
@@ -177,12 +189,13 @@ class Variant:
         if self.wire == "topk":  # r = d; the ratio sets k
             given.update(ratio=self.ratio, wire="topk")
         else:
-            given.update(rank=self.rank(hidden_size), wire=self.wire if self.wire != "int4" else "bf16")
+            given.update(rank=self.rank(hidden_size), wire="bf16" if self.wire.startswith("int4") else self.wire)
         return MaplConfig(**{k: v for k, v in given.items() if v is not None})
 
 
 def _parse(variant: str) -> Variant:
-    """'none', 'tables' (option '+anchorsK'), 'Rx' or 'Rx' with options '+subspace', '+fp8' / '+int4' / '+topk',
+    """'none', 'tables' (option '+anchorsK'), 'Rx' or 'Rx' with options '+subspace', '+fp8' / '+int4' / '+int4sr' /
+    '+int4fwd' / '+topk',
     '+anchorsK', '+ulrF' (U's learning rate F), '+uadamF' (U by Riemannian Adam at learning rate F)."""
     if variant == "none":
         return Variant(variant)
@@ -208,7 +221,7 @@ def _parse(variant: str) -> Variant:
     if not ratio.endswith("x") or len(extras) != len(set(extras)):
         raise ValueError(
             f"variant {variant!r}: expected none, tables (option +anchorsK), or Rx with options +subspace, +fp8, "
-            "+int4 or +topk, +anchorsK, +ulrF or +uadamF"
+            "+int4, +int4sr, +int4fwd or +topk, +anchorsK, +ulrF or +uadamF"
         )
     return Variant(ratio=float(ratio[:-1]), **fields)
 
@@ -221,17 +234,17 @@ def _positive_float(text: str) -> bool:
 
 
 class _WireRoundTrip(torch.autograd.Function):
-    """z -> decode(encode(z)) forward, g -> decode(encode(g)) backward: what the r-wide P2P messages of a
-    compressed wire deliver in both directions."""
+    """z -> decode(encode(z)) forward, g -> decode(encode(g)) backward (``grad_codec``): what the r-wide P2P
+    messages of a compressed wire deliver in both directions."""
 
     @staticmethod
-    def forward(ctx, z: torch.Tensor, codec) -> torch.Tensor:
-        ctx.codec = codec
+    def forward(ctx, z: torch.Tensor, codec, grad_codec) -> torch.Tensor:
+        ctx.grad_codec = grad_codec
         return _round_trip(codec, z)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return _round_trip(ctx.codec, grad), None
+        return _round_trip(ctx.grad_codec, grad), None, None
 
 
 def _round_trip(codec, x: torch.Tensor) -> torch.Tensor:
@@ -493,7 +506,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             parsed = _parse(variant)
         except ValueError as exc:
             parser.error(f"--variants: {exc}")
-        loopback_only = parsed.mode not in ("none", "compress") or parsed.wire == "int4" or parsed.u_adam_lr
+        loopback_only = parsed.mode not in ("none", "compress") or parsed.wire.startswith("int4") or parsed.u_adam_lr
         if args.pipeline_parallel == 2 and loopback_only:
             parser.error(
                 f"--variants: {variant!r} is a loopback variant; at --pipeline-parallel 2 use none or Rx, with "

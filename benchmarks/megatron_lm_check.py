@@ -148,6 +148,9 @@ class Row:
     # 2: PP=2 x DP=2 on 4 GPUs with --use-distributed-optimizer, --overlap-grad-reduce and --overlap-param-gather
     data_parallel: int = 1
     resume: bool = False  # stop at half the iterations with --save, then --load and finish (MAPL state restored?)
+    # a resume row whose first half saves with this MAPL variant: the load must stop with the resume check's one
+    # line (megatron_taco.mapl.megatron_lm.check_checkpoint_args), and that is the row passing
+    saved_mapl: str = ""
     mapl: str = (
         "none"  # none | 1 (--mapl-ratio 1: lossless, checks the plumbing) | 8 | 8-vq (--mapl-vq-levels 2) | 8-fixed
         # | 8-topk (--mapl-wire topk) | 8-fp8 (--mapl-wire fp8) | 8-bf16 (--mapl-wire bf16); "8" takes the default wire
@@ -179,6 +182,7 @@ def _name(
     pipeline=1,
     mapl="none",
     resume=False,
+    saved_mapl="",
     path="launcher",
     release="0.19",
     data_parallel=1,
@@ -189,13 +193,18 @@ def _name(
         + (f"-dp{data_parallel}-distopt" if data_parallel > 1 else "")
         + (f"-mapl{mapl}" if mapl != "none" else "")
         + ("-resume" if resume else "")
+        + (f"-from-mapl{saved_mapl}" if saved_mapl else "")
         + ("-patch" if path == "patch" else "")
         + ("-016" if release == "0.16" else "")
     )
 
 
 def _row(link, model, impl, precision, taco, **kw) -> Row:
-    naming = {k: v for k, v in kw.items() if k in ("pipeline", "mapl", "resume", "path", "release", "data_parallel")}
+    naming = {
+        k: v
+        for k, v in kw.items()
+        if k in ("pipeline", "mapl", "resume", "saved_mapl", "path", "release", "data_parallel")
+    }
     return Row(_name(link, model, impl, precision, taco, **naming), model, impl, precision, taco, link, **kw)
 
 
@@ -291,6 +300,10 @@ ROWS = [
     _row(ONE_GPU, "gpt", "te", "bf16", "none", pipeline=2, mapl="8"),
     _row(ONE_GPU, "gpt", "te", "bf16", "none", pipeline=2, mapl="8-topk"),
     _row(ONE_GPU, "gpt", "te", "bf16", "none", pipeline=2, mapl="8-fp8"),
+    # save at iteration 10, load, 10 more, at the default wire; and a checkpoint of the bf16 wire (the default before
+    # 2026-12-06) loaded by a run of the default wire: the load stops with one line naming the flags it was saved with
+    _row(ONE_GPU, "gpt", "te", "bf16", "none", pipeline=2, mapl="8", resume=True),
+    _row(ONE_GPU, "gpt", "te", "bf16", "none", pipeline=2, mapl="8", resume=True, saved_mapl="8-bf16"),
 ]
 SUITES = {
     "smoke": [
@@ -379,7 +392,8 @@ def _patched_copy(checkout: str, work: str) -> str:
     return dest
 
 
-def command(row: Row, checkout: str, port: int) -> List[str]:
+def command(row: Row, checkout: str, port: int, mapl: Optional[str] = None) -> List[str]:
+    """The row's torchrun command line (``mapl``: another MAPL variant than the row's)."""
     script = os.path.join(checkout, "pretrain_gpt.py")
     entry = ["-m", "megatron_taco.launch", script] if row.path == "launcher" else [script]
     flags = [
@@ -392,7 +406,7 @@ def command(row: Row, checkout: str, port: int) -> List[str]:
         "--train-iters",
         str(row.iters),
         *TACO[row.taco],
-        *MAPL[row.mapl],
+        *MAPL[mapl or row.mapl],
     ]
     if row.link == ONE_GPU:
         flags[flags.index("--distributed-backend") + 1] = "gloo"
@@ -463,7 +477,10 @@ def run_row(row: Row, checkouts: Dict[str, str], work: str, log_dir: str, attemp
     if row.resume:  # the first half saves, the second loads (a fresh port each)
         save = os.path.join(work, f"{row.name}.{attempt}.ckpt")
         proc = subprocess.run(
-            [*cmd, "--save", save, "--save-interval", str(row.iters // 2), "--exit-interval", str(row.iters // 2)],
+            [
+                *command(row, checkout, port, mapl=row.saved_mapl),
+                *("--save", save, "--save-interval", str(row.iters // 2), "--exit-interval", str(row.iters // 2)),
+            ],
             env=env,
             capture_output=True,
             text=True,
@@ -483,19 +500,34 @@ def run_row(row: Row, checkouts: Dict[str, str], work: str, log_dir: str, attemp
         "row": dataclasses.asdict(row),
         "attempt": attempt,
         "returncode": proc.returncode,
+        "passed": proc.returncode == 0,
         "wall_s": round(time.time() - start, 1),
         **parse_log(log),
     }
-    if proc.returncode != 0:
-        errors = [line for line in log.splitlines() if re.search(r"^(\[rank\d+\]: )?(\w+Error: |error: )", line)]
+    errors = [line for line in log.splitlines() if re.search(r"^(\[rank\d+\]: )?(\w+Error: |error: )", line)]
+    if row.saved_mapl:  # the second run must stop at the load with the resume check's line, after a saving first
+        stops = [line for line in errors if "its MAPL boundaries were saved with" in line]
+        result["passed"] = proc.returncode != 0 and bool(stops) and os.path.isdir(save)
+        result["stop_line"] = stops[0] if stops else None
+    if not result["passed"]:
         result["error"] = errors[0][-300:] if errors else log[-300:]
-    status = f"{result['ms_per_iter']:.1f} ms/iter" if result["ms_per_iter"] else f"FAILED: {result.get('error')}"
+    if result.get("stop_line"):
+        status = f"the load stopped as it should: {result['stop_line']}"
+    elif result["ms_per_iter"] and result["passed"]:
+        status = f"{result['ms_per_iter']:.1f} ms/iter"
+    else:
+        status = f"FAILED: {result.get('error')}"
     print(
         f"[{datetime.datetime.now():%H:%M:%S}] {row.name} (run {attempt}): {status}, loss {result['final_loss']}, "
         f"{result['wall_s']} s",
         flush=True,
     )
     return result
+
+
+def _passed(result: Dict) -> bool:
+    """Whether a run did what its row asks (results of before 2026-12-06 have no "passed": their return code)."""
+    return result.get("passed", result["returncode"] == 0)
 
 
 def _schedule(rows: List[Row]) -> List[Row]:
@@ -593,7 +625,7 @@ def write_report(results: List[Dict], path: str, meta: Dict) -> None:
     ]
     for name, entry in rows.items():
         row = entry["row"]
-        failed = [r for r in entry["runs"] if r["returncode"] != 0]
+        failed = [r for r in entry["runs"] if not _passed(r)]
         speed = f"{entry['ms_per_iter']:.1f}" if entry["ms_per_iter"] else "failed"
         if row.get("resume"):  # two runs with a checkpoint between: the loss is the point, not the speed
             speed = "-" if len(failed) < len(entry["runs"]) else "failed"
@@ -620,6 +652,11 @@ def write_report(results: List[Dict], path: str, meta: Dict) -> None:
         )
         for r in failed:
             out.append(f"|  | ↳ run {r['attempt']} failed: `{r.get('error', '')[:200]}` |||||||||||||")
+        for r in entry["runs"]:
+            if r.get("stop_line") and _passed(r):
+                out.append(
+                    f"|  | ↳ run {r['attempt']}: the load stopped as it should: `{r['stop_line']}` |||||||||||||"
+                )
     if any(entry["row"]["link"] != ONE_GPU for entry in rows.values()):
         out += ["", "## Goals", ""] + goal_lines(rows)
     notes = os.path.splitext(path)[0] + "_notes.md"
@@ -712,7 +749,7 @@ def main(argv: Optional[List[str]] = None) -> None:
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "results": results}, f, indent=1)
         write_report(results, args.report, meta)
-        if args.stop_on_failure and results[-1]["returncode"] != 0:
+        if args.stop_on_failure and not _passed(results[-1]):
             raise SystemExit(f"error: {row.name} failed: {results[-1].get('error')}")
 
 

@@ -11,6 +11,7 @@ import torch
 from benchmarks.loss_compare import MODELS
 from benchmarks.mapl_loopback import _parse, _WireRoundTrip, main, subspace_distance, train_config, train_loopback
 from megatron_taco.mapl.stiefel import random_stiefel
+from megatron_taco.mapl.wire import fp8_wire_codec
 from megatron_taco.testing.distributed import run_distributed
 
 SHAPE = MODELS["gpt-tiny"]  # 4 layers, hidden 64, learned positions (position anchors on)
@@ -94,13 +95,42 @@ def test_the_wire_round_trip_quantizes_z_forward_and_its_gradient_backward():
     grad = torch.randn(8, 2, 128, generator=gen).to(torch.bfloat16) * 1e-4
     codec = _parse("8x+fp8").wire_codec(512)
     leaf = z.clone().requires_grad_(True)
-    out = _WireRoundTrip.apply(leaf, codec)
+    out = _WireRoundTrip.apply(leaf, codec, _parse("8x+fp8").grad_codec(512))
     out.backward(grad)
     assert torch.equal(out, codec.decompress(codec.compress(z), z.shape, z.dtype))
     assert torch.equal(leaf.grad, codec.decompress(codec.compress(grad), grad.shape, grad.dtype))
     assert not torch.equal(out, z) and not torch.equal(leaf.grad, grad)  # FP8: rounded both ways
     error = (out.double() - z.double()).norm() / z.double().norm()
     assert 1e-3 < error < 0.05, error  # E4M3 with a Hadamard and power-of-two scales
+
+
+def test_the_int4_variants_round_z_to_nearest_and_the_gradient_to_nearest_stochastically_or_in_fp8():
+    """``+int4`` / ``+int4sr`` / ``+int4fwd``: rank 4d / R, z in INT4 (nearest) forward; dL/dz backward in INT4 to
+    nearest, in INT4 stochastically rounded (unbiased: the mean over draws nears dL/dz, where nearest rounding
+    keeps its error), or in FP8 (``--mapl-wire fp8``'s codec at the same rank)."""
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(8, 2, 256, generator=gen) * torch.logspace(-2, 1, 256)  # heavy columns
+    grad = torch.randn(8, 2, 256, generator=gen) * torch.logspace(-3, 0, 256) * 1e-4
+    outs, grads = {}, {}
+    for wire in ("int4", "int4sr", "int4fwd"):
+        variant = _parse(f"8x+{wire}")
+        assert (variant.rank(512), round(variant.wire_ratio(512), 2)) == (256, 7.88)
+        leaf = z.clone().requires_grad_(True)
+        outs[wire] = variant.wire_round_trip(512)(leaf)
+        outs[wire].backward(grad)
+        grads[wire] = leaf.grad
+    codec = _parse("8x+int4").wire_codec(512)
+    nearest = codec.decompress(codec.compress(grad), grad.shape)
+    assert torch.equal(outs["int4"], codec.decompress(codec.compress(z), z.shape))
+    assert torch.equal(outs["int4sr"], outs["int4"]) and torch.equal(outs["int4fwd"], outs["int4"])
+    assert torch.equal(grads["int4"], nearest)
+    fp8 = fp8_wire_codec(256)
+    assert torch.equal(grads["int4fwd"], fp8.decompress(fp8.compress(grad), grad.shape))
+    sr = _parse("8x+int4sr").grad_codec(512)
+    draws = torch.stack([sr.decompress(sr.compress(grad), grad.shape) for _ in range(200)]).double()
+    assert not torch.equal(draws[0], draws[1])  # a new draw each call
+    bias = lambda g: ((g - grad.double()).norm() / grad.double().norm()).item()  # noqa: E731
+    assert bias(draws.mean(0)) < 0.3 * bias(nearest.double()), (bias(draws.mean(0)), bias(nearest.double()))
 
 
 def test_the_topk_variant_is_the_topk_wire_with_the_gradient_kept_on_what_arrived():

@@ -88,3 +88,15 @@ def test_one_gpu_rows_get_no_speed_ratio():
     )
     assert "ratio" not in rows["one-gpu-gpt-te-bf16-int8"]
     assert rows["socket-gpt-te-bf16-int8"]["ratio"] == 437.0 / 270.0
+
+
+def test_the_resume_check_row_saves_with_the_bf16_wire_and_passes_only_when_the_load_stops():
+    """``...-resume-from-mapl8-bf16``: the first half saves with ``--mapl-wire bf16``, the second loads at the default
+    wire; the row passes when the load stopped with the resume check's line, not when it trained on."""
+    row = next(row for row in check.ROWS if row.saved_mapl)
+    assert row.name == "one-gpu-gpt-te-bf16-none-pp2-mapl8-resume-from-mapl8-bf16" and row.resume
+    saving, loading = check.command(row, "/m", 1, mapl=row.saved_mapl), check.command(row, "/m", 2)
+    assert saving[-4:] == ["--mapl-ratio", "8", "--mapl-wire", "bf16"] and loading[-2:] == ["--mapl-ratio", "8"]
+    stopped = {"row": check.dataclasses.asdict(row), "returncode": 2, "passed": True, "stop_line": "error: --load x"}
+    assert check._passed(stopped) and not check._passed({**stopped, "passed": False})
+    assert check._passed({"returncode": 0}) and not check._passed({"returncode": 2})  # results of before "passed"
