@@ -164,8 +164,8 @@ class Variant:
         return wire_codec(self.mapl_config(hidden_size), self.rank(hidden_size))
 
     def grad_codec(self, hidden_size: int):
-        """The codec of the dL/dz message: the z message's, but for "int4sr" (stochastic rounding, seeded) and
-        "int4fwd" (FP8)."""
+        """The codec of the dL/dz message: the z message's, but for "int4sr" (stochastic rounding, codec seed 0:
+        each compress draws new noise; the same in every run) and "int4fwd" (FP8)."""
         rank = self.rank(hidden_size)
         if self.wire == "int4sr":
             return TacoCodec(min(128, rank), "int4", "ash", "e8m0", rounding="stochastic")
@@ -457,7 +457,8 @@ def report(args, results: dict) -> List[str]:
                 if parsed.wire == "topk"
                 else f"r {parsed.rank(shape.hidden_size)}"
             )
-            label += f" ({width}, {parsed.wire_ratio(shape.hidden_size):.2f}x)"
+            backward = ", dL/dz in FP8" if parsed.wire == "int4fwd" else ""  # twice the forward bytes back
+            label += f" ({width}, {parsed.wire_ratio(shape.hidden_size):.2f}x{backward})"
         moved = [runs[f"{variant} | seed {s}"].get("u_moved") for s in seeds]
         moved_cell = "-" if None in moved else f"{statistics.mean(moved):.3f}"
         lines.append(
@@ -576,7 +577,9 @@ def main(argv: Optional[List[str]] = None) -> None:
             except Exception as exc:  # the other runs go on; this one is reported and left to a re-run
                 print(f"  {v} | seed {s}: FAILED: {exc}", flush=True)
                 continue
-            results["runs"][f"{v} | seed {s}"] = dict(run, commit=results["commit"], date=results["date"])
+            results["runs"][f"{v} | seed {s}"] = dict(
+                run, commit=results["commit"], date=results["date"], hardware=results["hardware"]
+            )
             print(f"  {v} | seed {s}: final train {run['train'][-1]:.4f} valid {run['valid']:.4f}", flush=True)
             save()
     save()

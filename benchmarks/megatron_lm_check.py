@@ -130,6 +130,18 @@ PRECISIONS = {
 }
 
 
+MAPL = {
+    "none": [],
+    "1": ["--mapl-ratio", "1"],
+    "8": ["--mapl-ratio", "8"],
+    "8-vq": ["--mapl-ratio", "8", "--mapl-vq-levels", "2"],
+    "8-fixed": ["--mapl-ratio", "8", "--mapl-fixed-projection"],
+    "8-topk": ["--mapl-ratio", "8", "--mapl-wire", "topk"],
+    "8-fp8": ["--mapl-ratio", "8", "--mapl-wire", "fp8"],
+    "8-bf16": ["--mapl-ratio", "8", "--mapl-wire", "bf16"],
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One Megatron-LM run configuration; ``baseline`` is the row it is compared with."""
@@ -156,6 +168,13 @@ class Row:
         # | 8-topk (--mapl-wire topk) | 8-fp8 (--mapl-wire fp8) | 8-bf16 (--mapl-wire bf16); "8" takes the default wire
         # (auto: fp8 with --bf16 since 2026-12-06; rows of "8" before then ran the bf16 wire)
     )
+
+    def __post_init__(self) -> None:
+        for flag, variant in (("mapl", self.mapl), ("saved_mapl", self.saved_mapl or "none")):
+            if variant not in MAPL:
+                raise ValueError(f"{self.name}: {flag} {variant!r} is not one of {sorted(MAPL)}")
+        if self.saved_mapl and not self.resume:
+            raise ValueError(f"{self.name}: saved_mapl needs resume=True (it is the saving half's MAPL variant)")
 
     @property
     def baseline(self) -> Optional[str]:
@@ -371,16 +390,6 @@ TACO["int4-ash-fp8bwd"] = ["--taco-mode", "int4-ash", "--taco-bwd-mode", "fp8-as
 TACO["int4-ash-edges"] = TACO["int4-ash-fp8bwd"] + ["--taco-override", "1,last:mode=fp8-ash"]
 TACO["int4-ash-switch"] = TACO["int4-ash-fp8bwd"] + ["--taco-switch", "10:mode=fp8-ash"]
 TACO["int4-int8-edges"] = ["--taco-mode", "int4", "--taco-bwd-mode", "int8", "--taco-override", "1,last:mode=int8"]
-MAPL = {
-    "none": [],
-    "1": ["--mapl-ratio", "1"],
-    "8": ["--mapl-ratio", "8"],
-    "8-vq": ["--mapl-ratio", "8", "--mapl-vq-levels", "2"],
-    "8-fixed": ["--mapl-ratio", "8", "--mapl-fixed-projection"],
-    "8-topk": ["--mapl-ratio", "8", "--mapl-wire", "topk"],
-    "8-fp8": ["--mapl-ratio", "8", "--mapl-wire", "fp8"],
-    "8-bf16": ["--mapl-ratio", "8", "--mapl-wire", "bf16"],
-}
 
 
 def _patched_copy(checkout: str, work: str) -> str:
@@ -472,46 +481,33 @@ def run_row(row: Row, checkouts: Dict[str, str], work: str, log_dir: str, attemp
             p for p in (ONE_GPU_SITE if one_gpu else None, ROOT, os.environ.get("PYTHONPATH")) if p
         ),
     }
-    cmd = command(row, checkout, port)
     start = time.time()
-    if row.resume:  # the first half saves, the second loads (a fresh port each)
+    commands = [command(row, checkout, port)]
+    if row.resume:  # the first half saves (with the row's saved_mapl where it has one), the second loads
         save = os.path.join(work, f"{row.name}.{attempt}.ckpt")
-        proc = subprocess.run(
+        commands = [
             [
                 *command(row, checkout, port, mapl=row.saved_mapl),
                 *("--save", save, "--save-interval", str(row.iters // 2), "--exit-interval", str(row.iters // 2)),
-            ],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        log = proc.stdout + proc.stderr
-        if proc.returncode == 0:
-            cmd = [*command(row, checkout, free_port()), "--load", save]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-            log += proc.stdout + proc.stderr
-    else:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-        log = proc.stdout + proc.stderr
+            ]
+        ]
+    proc = subprocess.run(commands[0], env=env, capture_output=True, text=True, timeout=600)
+    log = proc.stdout + proc.stderr
+    if row.resume and proc.returncode == 0:  # a fresh port for the second half
+        commands.append([*command(row, checkout, free_port()), "--load", save])
+        proc = subprocess.run(commands[1], env=env, capture_output=True, text=True, timeout=600)
+        log += proc.stdout + proc.stderr
     with open(os.path.join(log_dir, f"{row.name}.{attempt}.log"), "w") as f:
-        f.write(" ".join(cmd) + "\n" + log)
+        f.write("".join(" ".join(c) + "\n" for c in commands) + log)
     result = {
         "row": dataclasses.asdict(row),
         "attempt": attempt,
         "returncode": proc.returncode,
-        "passed": proc.returncode == 0,
         "wall_s": round(time.time() - start, 1),
         **parse_log(log),
+        **judge(row, proc.returncode, log, loaded=len(commands) == 2),
     }
-    errors = [line for line in log.splitlines() if re.search(r"^(\[rank\d+\]: )?(\w+Error: |error: )", line)]
-    if row.saved_mapl:  # the second run must stop at the load with the resume check's line, after a saving first
-        stops = [line for line in errors if "its MAPL boundaries were saved with" in line]
-        result["passed"] = proc.returncode != 0 and bool(stops) and os.path.isdir(save)
-        result["stop_line"] = stops[0] if stops else None
-    if not result["passed"]:
-        result["error"] = errors[0][-300:] if errors else log[-300:]
-    if result.get("stop_line"):
+    if result.get("stop_line") and result["passed"]:
         status = f"the load stopped as it should: {result['stop_line']}"
     elif result["ms_per_iter"] and result["passed"]:
         status = f"{result['ms_per_iter']:.1f} ms/iter"
@@ -523,6 +519,22 @@ def run_row(row: Row, checkouts: Dict[str, str], work: str, log_dir: str, attemp
         flush=True,
     )
     return result
+
+
+STOP_LINE = "its MAPL boundaries were saved with"  # the resume check's line (mapl.megatron_lm.check_checkpoint_args)
+
+
+def judge(row: Row, returncode: int, log: str, loaded: bool) -> Dict:
+    """Whether a run did what its row asks: exit 0; for a ``saved_mapl`` row, a load (``loaded``: the saving half
+    exited 0) that stopped with the resume check's line. The first error line when it did not."""
+    errors = [line for line in log.splitlines() if re.search(r"^(\[rank\d+\]: )?(\w+Error: |error: )", line)]
+    verdict: Dict = {"passed": returncode == 0}
+    if row.saved_mapl:
+        stops = [line for line in errors if STOP_LINE in line]
+        verdict = {"passed": loaded and returncode != 0 and bool(stops), "stop_line": stops[0] if stops else None}
+    if not verdict["passed"]:
+        verdict["error"] = errors[0][-300:] if errors else log[-300:]
+    return verdict
 
 
 def _passed(result: Dict) -> bool:
@@ -643,6 +655,8 @@ def write_report(results: List[Dict], path: str, meta: Dict) -> None:
         if mapl != "none":
             mapl_line = entry["runs"][-1].get("mapl_telemetry") or ""
             telemetry = mapl_line.split(": ", 1)[-1].split(";")[0] if mapl_line else "-"
+        if row.get("saved_mapl"):  # the loss and traffic logged are the saving half's: the load is meant to stop
+            runs, losses, telemetry = "-", [], f"saved with {row['saved_mapl']}, then the load (see below)"
         layout = "TP=2+SP" if pipeline == 1 else f"PP={pipeline}"
         layout += f" x DP={row['data_parallel']} (distributed optimizer)" if row.get("data_parallel", 1) > 1 else ""
         out.append(

@@ -126,7 +126,8 @@ def test_the_int4_variants_round_z_to_nearest_and_the_gradient_to_nearest_stocha
     assert torch.equal(grads["int4"], nearest)
     fp8 = fp8_wire_codec(256)
     assert torch.equal(grads["int4fwd"], fp8.decompress(fp8.compress(grad), grad.shape))
-    sr = _parse("8x+int4sr").grad_codec(512)
+    sr = _parse("8x+int4sr").grad_codec(512)  # a fresh codec draws what the wire's first backward drew
+    assert torch.equal(grads["int4sr"], sr.decompress(sr.compress(grad), grad.shape))
     draws = torch.stack([sr.decompress(sr.compress(grad), grad.shape) for _ in range(200)]).double()
     assert not torch.equal(draws[0], draws[1])  # a new draw each call
     bias = lambda g: ((g - grad.double()).norm() / grad.double().norm()).item()  # noqa: E731

@@ -7,6 +7,8 @@ megatron_taco/testing/one_gpu/sitecustomize.py loaded by Python in two real gloo
 import os
 import subprocess
 
+import pytest
+
 from benchmarks import megatron_lm_check as check
 from megatron_taco.testing.distributed import free_port
 
@@ -92,11 +94,30 @@ def test_one_gpu_rows_get_no_speed_ratio():
 
 def test_the_resume_check_row_saves_with_the_bf16_wire_and_passes_only_when_the_load_stops():
     """``...-resume-from-mapl8-bf16``: the first half saves with ``--mapl-wire bf16``, the second loads at the default
-    wire; the row passes when the load stopped with the resume check's line, not when it trained on."""
+    wire; the row passes when the load stopped with the resume check's line, not when it trained on or failed
+    otherwise."""
     row = next(row for row in check.ROWS if row.saved_mapl)
     assert row.name == "one-gpu-gpt-te-bf16-none-pp2-mapl8-resume-from-mapl8-bf16" and row.resume
     saving, loading = check.command(row, "/m", 1, mapl=row.saved_mapl), check.command(row, "/m", 2)
     assert saving[-4:] == ["--mapl-ratio", "8", "--mapl-wire", "bf16"] and loading[-2:] == ["--mapl-ratio", "8"]
-    stopped = {"row": check.dataclasses.asdict(row), "returncode": 2, "passed": True, "stop_line": "error: --load x"}
-    assert check._passed(stopped) and not check._passed({**stopped, "passed": False})
+    stop = (
+        "error: --load /c: its MAPL boundaries were saved with --mapl-ratio 8 --mapl-wire bf16, this run has "
+        "--mapl-ratio 8 --mapl-wire fp8 (...); resume with the flags it was saved with"
+    )
+    trained = " iteration 20/ 20 | lm loss: 5.4 |\n"
+    assert check.judge(row, 1, f"start\n{stop}\nChildFailedError", loaded=True) == {"passed": True, "stop_line": stop}
+    assert not check.judge(row, 0, trained, loaded=True)["passed"]  # it trained on: the check did not stop it
+    other = check.judge(row, 1, "RuntimeError: shape mismatch for mapl_send_0.u", loaded=True)
+    assert not other["passed"] and other["error"] == "RuntimeError: shape mismatch for mapl_send_0.u"
+    assert not check.judge(row, 1, stop, loaded=False)["passed"]  # the saving half failed: nothing was loaded
+    plain = next(r for r in check.ROWS if r.resume and not r.saved_mapl)
+    assert check.judge(plain, 0, trained, loaded=True) == {"passed": True}
+    assert not check.judge(plain, 1, stop, loaded=True)["passed"]
     assert check._passed({"returncode": 0}) and not check._passed({"returncode": 2})  # results of before "passed"
+
+
+def test_rows_refuse_an_unknown_mapl_variant_and_a_saved_variant_without_resume():
+    with pytest.raises(ValueError, match="saved_mapl needs resume=True"):
+        check._row(check.ONE_GPU, "gpt", "te", "bf16", "none", pipeline=2, mapl="8", saved_mapl="8-bf16")
+    with pytest.raises(ValueError, match="saved_mapl '8-int2' is not one of"):
+        check._row(check.ONE_GPU, "gpt", "te", "bf16", "none", pipeline=2, mapl="8", resume=True, saved_mapl="8-int2")
