@@ -2,7 +2,7 @@
 
     python -m benchmarks.mapl_pca_start --out benchmarks/results/mapl_pca_start.md
 
-The MAPL loss gap forms in the first ~100 steps (``mapl_cpu_study_seeds.md``), when U is still the random
+The MAPL loss gap forms in the first ~100 steps (``results/archive/mapl/mapl_cpu_study_seeds.md``), when U is still the random
 start. This tries the obvious fix on the model of ``mapl_cpu_study.py`` at 8x (anchor rank 64, position
 anchors, anchors starting from noise as when this was measured): the sending stage accumulates the second
 moment C = E[x x^T] of what it projects, x = h - a(t, p), and after a step sets U to C's top-r eigenvectors,

@@ -31,13 +31,14 @@ class MaplConfig:
     rank: Optional[int] = None
     ratio: Optional[float] = None
     ranks: Optional[Tuple[int, ...]] = None
-    anchor_rank: int = 64  # 64 beat 16 at 8x on GPU (+2.3% vs +3.6%) and CPU (benchmarks/results/mapl_quality.md)
+    # 64 beat 16 at 8x on GPU (+2.3% vs +3.6%, 1 seed) and CPU (benchmarks/results/archive/mapl/mapl_quality.md)
+    anchor_rank: int = 64
     # also anchor the positions: None = wherever the model has learned absolute positions (3 of 3 seeds better
-    # at 8x on CPU, benchmarks/results/mapl_cpu_study_seeds.md); True = required; False = off
+    # at 8x on CPU, benchmarks/results/archive/mapl/mapl_cpu_study_seeds.md); True = required; False = off
     position_anchors: Optional[bool] = None
     # where the anchors start: "embedding" = the best rank-k approximation of the model's input embedding
     # (8x gap +3.4% against +5.6% from "random" on CPU, 3 seeds, every seed better; 16x +3.9% against +8.0%:
-    # benchmarks/results/mapl_cpu_study_seeds.md)
+    # benchmarks/results/archive/mapl/mapl_cpu_study_seeds.md)
     anchor_init: str = "embedding"
     # anchors for the previous n tokens too, (E[t_i] + sum_j C_j[t_{i-j}] + P[p]) B (0: off)
     context_anchors: int = 0

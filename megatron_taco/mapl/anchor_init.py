@@ -12,7 +12,7 @@ so (E[t] + P[p]) B = (W_token[t] + W_position[p]) V_k V_k^T, exact when k >= ran
 training the boundary then only has to carry what the layers added (the sender subtracts a(t, p) first). With
 random anchors that part of the embedding had to be relearned through the r-wide wire; on CPU this start
 lowered the 8x validation gap from +5.6% to +3.4% at anchor rank 64 and from +6.3% to +2.0% at rank 128 = d
-(3 seeds each, benchmarks/results/mapl_cpu_study_seeds.md).
+(3 seeds each, benchmarks/results/archive/mapl/mapl_cpu_study_seeds.md).
 
 Only the first pipeline stage holds the embedding: global rank 0 (first stage, first TP and DP rank) gathers
 the vocabulary-parallel table over its TP group, computes the factors and broadcasts them to every rank, so
