@@ -147,19 +147,54 @@ def test_trainer_trains_pp2_with_mapl_and_resumes(mapl, tmp_path):
         r"TP=2, PP=1, virtual PP=1; resume with the layout it was saved with",
     ):
         run_distributed(_train_cli, 2, other_layout, timeout=180)
+    with pytest.raises(cli.StartupError, match=r"--load .*: its MAPL boundaries were saved with --mapl-ratio 4 "):
+        cli.startup_config(
+            cli.parse_args([("2" if a == "4" and common[i - 1] == "--mapl-ratio" else a) for i, a in enumerate(common)]
+                           + ["--train-iters", "4", "--load", str(tmp_path)]), 2
+        )  # fmt: skip
     # a checkpoint saved before layout.json existed: the same line, from the ranks' own files at load time
     os.remove(tmp_path / "iter_0000002" / "layout.json")
     with pytest.raises(
         DistributedTestError, match=r"--load .*: saved with TP=1, PP=2, virtual PP=1, this run has TP=2"
     ):
         run_distributed(_train_cli, 2, other_layout, timeout=180)
+    # another MAPL width: the flags it was saved with, from the ranks' files (layout.json is gone here)
     other_width = [("2" if i and common[i - 1] == "--mapl-ratio" else a) for i, a in enumerate(common)]
+    other_width_load = [*other_width, "--train-iters", "4", "--load", str(tmp_path)]
+    saved_with = r"--load .*: its MAPL boundaries were saved with --mapl-ratio 4 --mapl-wire bf16, this run has "
+    with pytest.raises(
+        DistributedTestError, match=saved_with + r"--mapl-ratio 2 --mapl-wire bf16 \(--mapl-wire auto: "
+    ):
+        run_distributed(_train_cli, 2, other_width_load, timeout=180)
+    # a checkpoint saved before the widths were recorded: the first tensor that does not fit (no hint about the
+    # default wire: this fp32 run's auto chose bf16, test_the_hint_for_... covers the FP8 case)
+    for rank_file in glob.glob(str(tmp_path / "iter_0000002" / "rank_*.pt")):
+        state = torch.load(rank_file, weights_only=False)
+        del state["mapl"]
+        torch.save(state, rank_file)
     with pytest.raises(
         DistributedTestError,
         match=r"--load .*: the checkpoint does not fit this model \(size "
         r"mismatch for .*mapl_.*\); resume with the model and settings it was saved with",
     ):
-        run_distributed(_train_cli, 2, [*other_width, "--train-iters", "4", "--load", str(tmp_path)], timeout=180)
+        run_distributed(_train_cli, 2, other_width_load, timeout=180)
+
+
+def test_the_hint_for_a_checkpoint_before_the_mapl_record_names_the_bf16_wire_when_auto_chose_fp8():
+    """A --mapl-ratio checkpoint saved before 2026-12-06 has the bf16 wire's widths; a bf16 run of today's default
+    takes the FP8 wire at twice the rank, so its load fails on U's shape: the line then says why and what resumes."""
+    from megatron_taco.training.checkpoint import _before_auto_hint
+
+    common = ["--config", os.path.join(ROOT, "configs", "gpt-tiny.yaml"), "--tensor-model-parallel-size", "1"]
+    common += ["--no-sequence-parallel", "--pipeline-model-parallel-size", "2", "--taco-mode", "none"]
+    common += ["--mapl-ratio", "4", "--train-iters", "2"]
+    fp8 = cli.startup_config(cli.parse_args(common + ["--dtype", "bf16"]), 2)
+    assert _before_auto_hint(fp8) == (
+        f"; this run's MAPL boundaries have --mapl-ratio 4 --mapl-wire fp8 ({fp8.mapl.wire_choice}): a --mapl-ratio "
+        "checkpoint saved before 2026-12-06 has the bf16 wire's widths, and --mapl-wire bf16 resumes it"
+    )
+    for other in (["--dtype", "bf16", "--mapl-wire", "fp8"], ["--dtype", "bf16", "--mapl-wire", "bf16"], []):
+        assert _before_auto_hint(cli.startup_config(cli.parse_args(common + other), 2)) == "", other
 
 
 def _script_env():

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from typing import List, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 from megatron_taco.codec.topk import topk_count, topk_token_bytes
 from megatron_taco.config.errors import MaplConfigError
 
-__all__ = ["ANCHOR_INITS", "WIRES", "MaplConfig", "add_mapl_args", "auto_wire", "mapl_config_from_args"]
+__all__ = [
+    "ANCHOR_INITS",
+    "WIRES",
+    "MaplConfig",
+    "add_mapl_args",
+    "auto_wire",
+    "mapl_config_from_args",
+    "width_flags",
+]
 
 
 ANCHOR_INITS = ("embedding", "random")
@@ -164,6 +172,22 @@ class MaplConfig:
                 f"--mapl-ranks gives {','.join(map(str, self.ranks))}"
             )
         return boundaries
+
+
+def width_flags(ratio: Optional[float], rank: Optional[int], ranks: Any, wire: Optional[str]) -> str:
+    """The flags that set MAPL's tensor shapes (U's width at each boundary) as a command line gives them, for a
+    resume check's message; a wire of None is bf16, the only wire of checkpoints saved before --mapl-wire."""
+    values = {"--mapl-ratio": ratio, "--mapl-rank": rank, "--mapl-ranks": ranks, "--mapl-wire": wire or "bf16"}
+    shown = {
+        flag: f"{value:g}"
+        if isinstance(value, float)
+        else ",".join(map(str, value))
+        if isinstance(value, tuple)
+        else value
+        for flag, value in values.items()
+        if value is not None
+    }
+    return " ".join(f"{flag} {value}" for flag, value in shown.items())
 
 
 def add_mapl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -31,7 +31,7 @@ import os
 import sys
 from typing import Any, Callable, List, Optional
 
-from megatron_taco.config.mapl import MaplConfig, MaplConfigError, mapl_config_from_args
+from megatron_taco.config.mapl import MaplConfig, MaplConfigError, mapl_config_from_args, width_flags
 
 __all__ = ["configure", "attach", "check_checkpoint_args", "install", "log_lines"]
 
@@ -96,13 +96,7 @@ _WIDTH_FLAGS = ("mapl_ratio", "mapl_rank", "mapl_ranks", "mapl_wire")  # what se
 
 def _width_settings(args: Any) -> str:
     """The flags of ``args`` that set MAPL's tensor shapes, as given (the wire as recorded: bf16 before it existed)."""
-    values = {name: getattr(args, name, None) for name in _WIDTH_FLAGS}
-    values["mapl_wire"] = values["mapl_wire"] or "bf16"
-    return " ".join(
-        f"--{name.replace('_', '-')} {value:g}" if isinstance(value, float) else f"--{name.replace('_', '-')} {value}"
-        for name, value in values.items()
-        if value is not None
-    )
+    return width_flags(*(getattr(args, name, None) for name in _WIDTH_FLAGS))
 
 
 def check_checkpoint_args(checkpoint_args: Any, args: argparse.Namespace, load_dir: str) -> None:

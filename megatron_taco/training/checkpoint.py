@@ -1,8 +1,8 @@
 """Per-rank checkpoints of the trainer: model (MAPL projections and anchors included), optimizers, lr schedule, step.
 
 Layout: ``DIR/iter_0000123/rank_00001.pt`` plus ``DIR/latest`` naming the newest
-iteration, and ``DIR/iter_0000123/layout.json`` (world size and parallel layout, read at start-up before any model
-is built). Every rank saves and loads its own file (TP/PP shards differ); the
+iteration, and ``DIR/iter_0000123/layout.json`` (world size, parallel layout and the MAPL flags that set its tensor
+shapes, read at start-up before any model is built). Every rank saves and loads its own file (TP/PP shards differ); the
 same parallel layout is needed to resume. The data stream is not stored: it is
 deterministic, and resuming fast-forwards it past the consumed micro-batches.
 """
@@ -16,6 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from megatron_taco.config.mapl import width_flags
 from megatron_taco.training.loop import Trainer, TrainConfig
 
 __all__ = ["save_checkpoint", "latest_step", "load_checkpoint", "check_saved_layout"]
@@ -43,12 +44,13 @@ def save_checkpoint(trainer: Trainer, root: str) -> str:
         "torch_rng": torch.get_rng_state(),
         "world_size": dist.get_world_size(),
         "layout": _layout(trainer.cfg),
+        "mapl": _mapl_widths(trainer.cfg),
     }
     torch.save(state, os.path.join(path, f"rank_{dist.get_rank():05d}.pt"))
     dist.barrier()
     if dist.get_rank() == 0:
         with open(os.path.join(path, LAYOUT_FILE), "w") as f:
-            json.dump({"world_size": state["world_size"], "layout": state["layout"]}, f)
+            json.dump({"world_size": state["world_size"], "layout": state["layout"], "mapl": state["mapl"]}, f)
         with open(os.path.join(root, "latest"), "w") as f:
             f.write(str(trainer.step_count))
     dist.barrier()
@@ -66,6 +68,35 @@ def latest_step(root: str) -> Optional[int]:
 def _layout(cfg: TrainConfig) -> dict:
     """The parallel layout a checkpoint's per-rank shards belong to."""
     return {"TP": cfg.tensor_parallel, "PP": cfg.pipeline_parallel, "virtual PP": cfg.virtual_pipeline or 1}
+
+
+def _mapl_widths(cfg: TrainConfig) -> Optional[str]:
+    """The MAPL flags that set the boundaries' tensor shapes (None: MAPL off); checkpoints record them since the
+    default wire became auto (2026-12-06), which doubled U's width at a given --mapl-ratio in bf16 training."""
+    return None if cfg.mapl is None else width_flags(cfg.mapl.ratio, cfg.mapl.rank, cfg.mapl.ranks, cfg.mapl.wire)
+
+
+def _mapl_mismatch(root: str, saved: Optional[str], cfg: TrainConfig) -> Optional[str]:
+    """The one line for a checkpoint whose MAPL widths differ from this run's (None when they agree)."""
+    now = _mapl_widths(cfg)
+    if saved == now:
+        return None
+    choice = f" ({cfg.mapl.wire_choice})" if cfg.mapl is not None and cfg.mapl.wire_choice else ""
+    return (
+        f"--load {root}: its MAPL boundaries were saved with {saved or 'MAPL off'}, this run has {now or 'MAPL off'}"
+        f"{choice}; resume with the flags it was saved with"
+    )
+
+
+def _before_auto_hint(cfg: TrainConfig) -> str:
+    """For a checkpoint that predates the MAPL record whose MAPL tensors do not fit: the likely cause when this
+    run's default wire chose FP8 (2026-12-06: twice the rank the bf16 wire had at the same --mapl-ratio)."""
+    if cfg.mapl is None or cfg.mapl.wire != "fp8" or not cfg.mapl.wire_choice:
+        return ""
+    return (
+        f"; this run's MAPL boundaries have {_mapl_widths(cfg)} ({cfg.mapl.wire_choice}): a --mapl-ratio "
+        "checkpoint saved before 2026-12-06 has the bf16 wire's widths, and --mapl-wire bf16 resumes it"
+    )
 
 
 def _describe(layout: dict) -> str:
@@ -88,6 +119,8 @@ def check_saved_layout(root: str, step: int, cfg: TrainConfig, world_size: int) 
         raise ValueError(f"--load {root}: saved with world size {saved['world_size']}, now {world_size}")
     if saved["layout"] != _layout(cfg):
         raise ValueError(_layout_mismatch(root, saved["layout"], _layout(cfg)))
+    if "mapl" in saved and _mapl_mismatch(root, saved["mapl"], cfg):  # (not recorded before 2026-12-06)
+        raise ValueError(_mapl_mismatch(root, saved["mapl"], cfg))
 
 
 def load_checkpoint(trainer: Trainer, root: str) -> int:
@@ -108,13 +141,16 @@ def load_checkpoint(trainer: Trainer, root: str) -> int:
         )
     if "layout" in state and state["layout"] != _layout(trainer.cfg):
         raise ValueError(_layout_mismatch(root, state["layout"], _layout(trainer.cfg)))
+    if "mapl" in state and _mapl_mismatch(root, state["mapl"], trainer.cfg):
+        raise ValueError(_mapl_mismatch(root, state["mapl"], trainer.cfg))
     for model, saved in zip(trainer.models, state["model"]):
         try:
             model.load_state_dict(saved)
         except RuntimeError as exc:  # another model shape or other MAPL/TACO settings: name the first mismatch
             first = next((line.strip() for line in str(exc).splitlines()[1:] if line.strip()), str(exc))
+            hint = _before_auto_hint(trainer.cfg) if "mapl" not in state and "mapl_" in first else ""
             raise ValueError(
-                f"--load {root}: the checkpoint does not fit this model ({first}); resume with the "
+                f"--load {root}: the checkpoint does not fit this model ({first}){hint}; resume with the "
                 "model and settings it was saved with"
             ) from None
     trainer.optimizer.load_state_dict(state["optimizer"])
