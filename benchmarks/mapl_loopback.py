@@ -136,6 +136,12 @@ class LoopbackBoundary(torch.nn.Module):
 WIRE_BITS = {"fp8": 8, "int4": 4, "int4sr": 4, "int4fwd": 4, "topk": 8}
 
 
+def _int4_codec(rank: int, rounding: str) -> TacoCodec:
+    """The INT4 wires' codec of a z (or dL/dz) of ``rank`` values: the Hadamard, one power-of-two scale byte per
+    group of up to 128 values."""
+    return TacoCodec(min(128, rank), "int4", "ash", "e8m0", rounding=rounding)
+
+
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """A row of the study: ``mode`` "none" (stock), "compress" (MAPL at ``ratio``), "subspace" (MAPL with the
@@ -160,7 +166,7 @@ class Variant:
     def wire_codec(self, hidden_size: int):
         """The codec of the z message (None: bf16)."""
         if self.wire.startswith("int4"):
-            return TacoCodec(min(128, self.rank(hidden_size)), "int4", "ash", "e8m0")
+            return _int4_codec(self.rank(hidden_size), "nearest")
         return wire_codec(self.mapl_config(hidden_size), self.rank(hidden_size))
 
     def grad_codec(self, hidden_size: int):
@@ -168,7 +174,7 @@ class Variant:
         each compress draws new noise; the same in every run) and "int4fwd" (FP8)."""
         rank = self.rank(hidden_size)
         if self.wire == "int4sr":
-            return TacoCodec(min(128, rank), "int4", "ash", "e8m0", rounding="stochastic")
+            return _int4_codec(rank, "stochastic")
         return fp8_wire_codec(rank) if self.wire == "int4fwd" else self.wire_codec(hidden_size)
 
     def wire_round_trip(self, hidden_size: int):

@@ -119,8 +119,9 @@ def check_saved_layout(root: str, step: int, cfg: TrainConfig, world_size: int) 
         raise ValueError(f"--load {root}: saved with world size {saved['world_size']}, now {world_size}")
     if saved["layout"] != _layout(cfg):
         raise ValueError(_layout_mismatch(root, saved["layout"], _layout(cfg)))
-    if "mapl" in saved and _mapl_mismatch(root, saved["mapl"], cfg):  # (not recorded before 2026-12-06)
-        raise ValueError(_mapl_mismatch(root, saved["mapl"], cfg))
+    mismatch = _mapl_mismatch(root, saved["mapl"], cfg) if "mapl" in saved else None  # (recorded since 2026-12-06)
+    if mismatch:
+        raise ValueError(mismatch)
 
 
 def load_checkpoint(trainer: Trainer, root: str) -> int:
@@ -141,8 +142,9 @@ def load_checkpoint(trainer: Trainer, root: str) -> int:
         )
     if "layout" in state and state["layout"] != _layout(trainer.cfg):
         raise ValueError(_layout_mismatch(root, state["layout"], _layout(trainer.cfg)))
-    if "mapl" in state and _mapl_mismatch(root, state["mapl"], trainer.cfg):
-        raise ValueError(_mapl_mismatch(root, state["mapl"], trainer.cfg))
+    mismatch = _mapl_mismatch(root, state["mapl"], trainer.cfg) if "mapl" in state else None
+    if mismatch:
+        raise ValueError(mismatch)
     for model, saved in zip(trainer.models, state["model"]):
         try:
             model.load_state_dict(saved)
