@@ -17,6 +17,7 @@ __all__ = [
     "auto_wire",
     "mapl_config_from_args",
     "width_flags",
+    "width_mismatch",
 ]
 
 
@@ -188,6 +189,21 @@ def width_flags(ratio: Optional[float], rank: Optional[int], ranks: Any, wire: O
         if value is not None
     }
     return " ".join(f"{flag} {value}" for flag, value in shown.items())
+
+
+def width_mismatch(
+    load_dir: str, saved: Optional[str], now: Optional[str], wire_choice: Optional[str]
+) -> Optional[str]:
+    """The resume check's one line when a checkpoint's MAPL flags (:func:`width_flags`; None: MAPL off) differ from
+    this run's (None when they agree); ``wire_choice`` says why auto chose this run's wire."""
+    if saved == now:
+        return None
+    return (
+        f"--load {load_dir}: its MAPL boundaries were saved with {saved or 'MAPL off'}, this run has "
+        f"{now or 'MAPL off'}"
+        + (f" ({wire_choice})" if wire_choice else "")
+        + "; resume with the flags it was saved with"
+    )
 
 
 def add_mapl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:

@@ -31,7 +31,7 @@ import os
 import sys
 from typing import Any, Callable, List, Optional
 
-from megatron_taco.config.mapl import MaplConfig, MaplConfigError, mapl_config_from_args, width_flags
+from megatron_taco.config.mapl import MaplConfig, MaplConfigError, mapl_config_from_args, width_flags, width_mismatch
 
 __all__ = ["configure", "attach", "check_checkpoint_args", "install", "log_lines"]
 
@@ -106,13 +106,10 @@ def check_checkpoint_args(checkpoint_args: Any, args: argparse.Namespace, load_d
     cfg = _STATE["cfg"]
     if cfg is None or all(getattr(checkpoint_args, name, None) is None for name in _WIDTH_FLAGS[:3]):
         return
-    saved, now = _width_settings(checkpoint_args), _width_settings(args)
-    if saved != now:  # configure() records the wire auto chose, so both name a wire
-        raise MaplConfigError(
-            f"--load {load_dir}: its MAPL boundaries were saved with {saved}, this run has {now}"
-            + (f" ({cfg.wire_choice})" if cfg.wire_choice else "")
-            + "; resume with the flags it was saved with"
-        )
+    # configure() records the wire auto chose, so both name a wire
+    mismatch = width_mismatch(load_dir, _width_settings(checkpoint_args), _width_settings(args), cfg.wire_choice)
+    if mismatch:
+        raise MaplConfigError(mismatch)
 
 
 def _model_chunks(args: argparse.Namespace) -> Optional[int]:

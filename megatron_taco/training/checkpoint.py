@@ -16,7 +16,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from megatron_taco.config.mapl import width_flags
+from megatron_taco.config.mapl import width_flags, width_mismatch
 from megatron_taco.training.loop import Trainer, TrainConfig
 
 __all__ = ["save_checkpoint", "latest_step", "load_checkpoint", "check_saved_layout"]
@@ -78,14 +78,7 @@ def _mapl_widths(cfg: TrainConfig) -> Optional[str]:
 
 def _mapl_mismatch(root: str, saved: Optional[str], cfg: TrainConfig) -> Optional[str]:
     """The one line for a checkpoint whose MAPL widths differ from this run's (None when they agree)."""
-    now = _mapl_widths(cfg)
-    if saved == now:
-        return None
-    choice = f" ({cfg.mapl.wire_choice})" if cfg.mapl is not None and cfg.mapl.wire_choice else ""
-    return (
-        f"--load {root}: its MAPL boundaries were saved with {saved or 'MAPL off'}, this run has {now or 'MAPL off'}"
-        f"{choice}; resume with the flags it was saved with"
-    )
+    return width_mismatch(root, saved, _mapl_widths(cfg), cfg.mapl.wire_choice if cfg.mapl is not None else None)
 
 
 def _before_auto_hint(cfg: TrainConfig) -> str:
