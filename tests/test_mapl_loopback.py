@@ -134,6 +134,48 @@ def test_the_int4_variants_round_z_to_nearest_and_the_gradient_to_nearest_stocha
     assert bias(draws.mean(0)) < 0.3 * bias(nearest.double()), (bias(draws.mean(0)), bias(nearest.double()))
 
 
+@pytest.mark.parametrize(
+    "wire, bits, rank, ratio, error_range",
+    [("int6", 6, 160, 8.13, (0.020, 0.026)), ("int5", 5, 192, 8.06, (0.043, 0.053))],
+)
+def test_the_narrow_integer_wires_round_each_rotated_value_to_its_groups_step_both_ways(
+    wire, bits, rank, ratio, error_range
+):
+    """``+int6`` / ``+int5``: at no more bytes per token than the FP8 wire (129 at 8x, d = 512), a wider z, each
+    group of 32 rotated by the orthonormal Hadamard (a float64 matrix here), rounded to the nearest multiple of
+    its step (max |y| / M rounded up to 3 mantissa bits) in [-M, M]; the gradient through the same wire."""
+    variant = _parse(f"8x+{wire}")
+    assert (variant.rank(512), round(variant.wire_ratio(512), 2)) == (rank, ratio)
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(64, 2, rank, generator=gen, dtype=torch.float64) * torch.logspace(-2, 1, rank, dtype=torch.float64)
+    z[0, 0] = 0.0  # an all-zero token
+    z[1, 0, :32] *= 1e-12  # a group 40 binades below its token's largest: the step floor (2^-31 of the largest)
+    grad = torch.randn(64, 2, rank, generator=gen, dtype=torch.float64) * 1e-4
+    leaf = z.float().requires_grad_(True)
+    out = variant.wire_round_trip(512)(leaf)
+    out.backward(grad.float())
+    hadamard = torch.ones(1, 1, dtype=torch.float64)
+    for _ in range(5):
+        hadamard = torch.cat([torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)], 0)
+    hadamard /= 32**0.5  # orthonormal, Sylvester order
+    max_code = 2 ** (bits - 1) - 1
+    for sent, received in ((z, out.detach()), (grad, leaf.grad)):
+        y = sent.float().double().reshape(64, 2, -1, 32) @ hadamard
+        y_hat = received.double().reshape(64, 2, -1, 32) @ hadamard
+        largest = y.abs().amax(-1, keepdim=True)
+        step = torch.maximum(largest, largest.amax(-2, keepdim=True) * 2.0**-31) / max_code
+        step = 2.0 ** torch.floor(torch.log2(step)) * torch.ceil(step / 2.0 ** torch.floor(torch.log2(step)) * 8) / 8
+        step = torch.where(largest > 0, step, torch.ones_like(step))
+        codes = y_hat / step
+        assert torch.allclose(codes, codes.round(), atol=1e-3) and codes.abs().max() <= max_code + 1e-3
+        assert ((y_hat - y).abs() <= step / 2 * (1 + 1e-5)).all()  # the nearest multiple of the step
+    assert torch.equal(out.detach()[0, 0], torch.zeros(rank))
+    assert torch.equal(out.detach()[1, 0, :32], torch.zeros(32))  # under half the floor's step, not its own
+    error = ((out.detach().double() - z).norm() / z.norm()).item()
+    bias = ((out.detach().double() - z).mean() / z.abs().mean()).item()
+    assert error_range[0] < error < error_range[1] and abs(bias) < 1e-3, (error, bias)
+
+
 def test_the_topk_variant_is_the_topk_wire_with_the_gradient_kept_on_what_arrived():
     """``+topk``: U square, k from the ratio (``--mapl-wire topk``); forward decode(encode(z)), backward
     decode(encode(g on the k coordinates that arrived)): the gradient of the sparse map, in FP8."""
