@@ -25,7 +25,8 @@ the scale bytes make the real ratio a little lower, and the report names it; ``+
 ``+int4sr`` (``+int4`` with dL/dz stochastically rounded: unbiased), ``+int4fwd`` (INT4 forward, dL/dz in FP8 at
 the same rank: twice the backward bytes, a diagnostic of which direction's rounding costs), ``+int6`` / ``+int5``
 (z and dL/dz as 6- or 5-bit integers under a 3-mantissa-bit scale byte per group of 32: at no more bytes than the
-FP8 wire, rank 160 / 192 instead of 128 at 8x; ``NarrowIntWire``),
+FP8 wire, rank 160 / 192 instead of 128 at 8x; ``NarrowIntWire``), ``+int4e4m3`` (INT4 under E4M3 scales per 32
+values, TACO's NVFP4-style layout: rank 224 at 8x within the FP8 wire's bytes),
 ``+topk`` (``--mapl-wire topk``: U square, each token sends its k largest coordinates in FP8 and which they are,
 k the most that keeps ratio R; dL/dz returns at the same k),
 ``+anchorsK`` (anchor rank K), ``+ulrF`` (U's manifold learning rate F, ``--mapl-lr``), ``+uadamF`` (U trained by
@@ -135,8 +136,10 @@ class LoopbackBoundary(torch.nn.Module):
 # Hadamard transform on, one power-of-two scale byte per group of a token's z. FP8 is --mapl-wire fp8's codec
 # (``mapl.wire.fp8_wire_codec``); the INT4 wires exist only here: "int4" rounds both ways to nearest, "int4sr"
 # rounds dL/dz stochastically, "int4fwd" sends dL/dz in FP8. "+topk" is --mapl-wire topk (``codec.topk``): U
-# square, k FP8 values per token. "+int6" / "+int5": ``NarrowIntWire``.
-WIRE_BITS = {"fp8": 8, "int4": 4, "int4sr": 4, "int4fwd": 4, "topk": 8, "int6": 6, "int5": 5}
+# square, k FP8 values per token. "+int6" / "+int5": ``NarrowIntWire``. "+int4e4m3": INT4 under TACO's E4M3 group
+# scales (groups of 32, one fp32 scale per message: the NVFP4-style layout), at the largest rank, a multiple of 32,
+# whose bytes stay within the FP8 wire's 2d / R per token.
+WIRE_BITS = {"fp8": 8, "int4": 4, "int4sr": 4, "int4fwd": 4, "int4e4m3": 4, "topk": 8, "int6": 6, "int5": 5}
 NARROW_INT_WIRES = ("int6", "int5")
 
 
@@ -199,6 +202,9 @@ class Variant:
     def rank(self, hidden_size: int) -> int:
         if self.wire == "topk":  # every coordinate is a candidate: U is square
             return hidden_size
+        if self.wire == "int4e4m3":  # r / 2 code bytes and r / 32 scale bytes <= 2d / R
+            rank = int(hidden_size * 2 / self.ratio * 32 / 17)
+            return rank - rank % 32
         rank = int(hidden_size * 16 / WIRE_BITS.get(self.wire, 16) / self.ratio)
         return rank - rank % 16 if self.wire in NARROW_INT_WIRES else rank
 
@@ -206,6 +212,8 @@ class Variant:
         """The codec of the z message (None: bf16)."""
         if self.wire in NARROW_INT_WIRES:
             return NarrowIntWire(self.rank(hidden_size), WIRE_BITS[self.wire])
+        if self.wire == "int4e4m3":
+            return TacoCodec(32, "int4", "ash", "e4m3")
         if self.wire.startswith("int4"):
             return _int4_codec(self.rank(hidden_size), "nearest")
         return wire_codec(self.mapl_config(hidden_size), self.rank(hidden_size))
@@ -242,7 +250,7 @@ class Variant:
 
 def _parse(variant: str) -> Variant:
     """'none', 'tables' (option '+anchorsK'), 'Rx' or 'Rx' with options '+subspace', '+fp8' / '+int4' / '+int4sr' /
-    '+int4fwd' / '+int6' / '+int5' / '+topk',
+    '+int4fwd' / '+int4e4m3' / '+int6' / '+int5' / '+topk',
     '+anchorsK', '+ulrF' (U's learning rate F), '+uadamF' (U by Riemannian Adam at learning rate F)."""
     if variant == "none":
         return Variant(variant)
@@ -268,7 +276,7 @@ def _parse(variant: str) -> Variant:
     if not ratio.endswith("x") or len(extras) != len(set(extras)):
         raise ValueError(
             f"variant {variant!r}: expected none, tables (option +anchorsK), or Rx with options +subspace, +fp8, "
-            "+int4, +int4sr, +int4fwd, +int6, +int5 or +topk, +anchorsK, +ulrF or +uadamF"
+            "+int4, +int4sr, +int4fwd, +int4e4m3, +int6, +int5 or +topk, +anchorsK, +ulrF or +uadamF"
         )
     return Variant(ratio=float(ratio[:-1]), **fields)
 

@@ -10,6 +10,7 @@ import torch
 
 from benchmarks.loss_compare import MODELS
 from benchmarks.mapl_loopback import _parse, _WireRoundTrip, main, subspace_distance, train_config, train_loopback
+from megatron_taco.codec import TacoCodec
 from megatron_taco.mapl.stiefel import random_stiefel
 from megatron_taco.mapl.wire import fp8_wire_codec
 from megatron_taco.testing.distributed import run_distributed
@@ -174,6 +175,21 @@ def test_the_narrow_integer_wires_round_each_rotated_value_to_its_groups_step_bo
     error = ((out.detach().double() - z).norm() / z.norm()).item()
     bias = ((out.detach().double() - z).mean() / z.abs().mean()).item()
     assert error_range[0] < error < error_range[1] and abs(bias) < 1e-3, (error, bias)
+
+
+def test_the_int4_e4m3_variant_is_tacos_int4_with_e4m3_scales_per_32_both_ways_at_the_fp8_wires_bytes():
+    variant = _parse("8x+int4e4m3")
+    assert (variant.rank(512), round(variant.wire_ratio(512), 2), _parse("16x+int4e4m3").rank(512)) == (224, 8.61, 96)
+    gen = torch.Generator().manual_seed(0)
+    z = torch.randn(8, 2, 224, generator=gen) * torch.logspace(-2, 1, 224)
+    grad = torch.randn(8, 2, 224, generator=gen) * 1e-4
+    leaf = z.clone().requires_grad_(True)
+    out = variant.wire_round_trip(512)(leaf)
+    out.backward(grad)
+    codec = TacoCodec(32, "int4", "ash", "e4m3")
+    assert torch.equal(out, codec.decompress(codec.compress(z), z.shape))
+    assert torch.equal(leaf.grad, codec.decompress(codec.compress(grad), grad.shape))
+    assert 0.05 < ((out - z).norm() / z.norm()).item() < 0.15
 
 
 def test_the_topk_variant_is_the_topk_wire_with_the_gradient_kept_on_what_arrived():
