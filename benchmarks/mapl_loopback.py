@@ -25,7 +25,7 @@ the scale bytes make the real ratio a little lower, and the report names it; ``+
 ``+int4sr`` (``+int4`` with dL/dz stochastically rounded: unbiased), ``+int4fwd`` (INT4 forward, dL/dz in FP8 at
 the same rank: twice the backward bytes, a diagnostic of which direction's rounding costs), ``+int6`` / ``+int5``
 (z and dL/dz as 6- or 5-bit integers under a 3-mantissa-bit scale byte per group of 32: at no more bytes than the
-FP8 wire, rank 160 / 192 instead of 128 at 8x; ``NarrowIntWire``), ``+int4e4m3`` (INT4 under E4M3 scales per 32
+FP8 wire, rank 160 / 192 instead of 128 at 8x; ``+int5`` is ``--mapl-wire int5``), ``+int4e4m3`` (INT4 under E4M3 scales per 32
 values, TACO's NVFP4-style layout: rank 224 at 8x within the FP8 wire's bytes),
 ``+topk`` (``--mapl-wire topk``: U square, each token sends its k largest coordinates in FP8 and which they are,
 k the most that keeps ratio R; dL/dz returns at the same k),
@@ -46,7 +46,6 @@ import argparse
 import dataclasses
 import datetime
 import json
-import math
 import os
 import statistics
 import time
@@ -55,9 +54,10 @@ from typing import List, Optional
 
 import torch
 
-from megatron_taco.codec import TacoCodec, reference
+from megatron_taco.codec import TacoCodec
+from megatron_taco.codec.narrow_int import NarrowIntCodec, narrow_int_rank
 from megatron_taco.codec.topk import TopKCodec
-from megatron_taco.config.mapl import MaplConfig
+from megatron_taco.config.mapl import WIRES, MaplConfig
 from megatron_taco.mapl.anchor_init import start_anchors_from_embedding
 from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stage import step_projections_with
@@ -136,44 +136,12 @@ class LoopbackBoundary(torch.nn.Module):
 # Hadamard transform on, one power-of-two scale byte per group of a token's z. FP8 is --mapl-wire fp8's codec
 # (``mapl.wire.fp8_wire_codec``); the INT4 wires exist only here: "int4" rounds both ways to nearest, "int4sr"
 # rounds dL/dz stochastically, "int4fwd" sends dL/dz in FP8. "+topk" is --mapl-wire topk (``codec.topk``): U
-# square, k FP8 values per token. "+int6" / "+int5": ``NarrowIntWire``. "+int4e4m3": INT4 under TACO's E4M3 group
+# square, k FP8 values per token. "+int5" is --mapl-wire int5 (``codec.narrow_int``: 5-bit integers after a
+# Hadamard of 32, a scale byte per group, the largest rank, a multiple of 16, within 2d / R bytes); "+int6" the same
+# codec at 6 bits (loopback only). "+int4e4m3": INT4 under TACO's E4M3 group
 # scales (groups of 32, one fp32 scale per message: the NVFP4-style layout), at the largest rank, a multiple of 32,
 # whose bytes stay within the FP8 wire's 2d / R per token.
 WIRE_BITS = {"fp8": 8, "int4": 4, "int4sr": 4, "int4fwd": 4, "int4e4m3": 4, "topk": 8, "int6": 6, "int5": 5}
-NARROW_INT_WIRES = ("int6", "int5")
-
-
-class NarrowIntWire:
-    """The lead "fewer bits, more rank" between INT4 (too coarse: 15.6% RMS error) and FP8 (2.65%, and no loss
-    against bf16 at equal rank, so its spare precision could buy rank): each token's z in groups of G = 32 values
-    (16 where r is not a multiple of 32), each rotated by the orthonormal Hadamard H / sqrt(G), sent as b-bit
-    integers in [-M, M] (M = 2^(b-1) - 1; nearest, ties to even) under one scale byte per group: max |y| / M
-    rounded up to 3 mantissa bits (so nothing clips), its exponent at most 31 binades below the token's largest
-    (one byte per token carries that base; a group 5 bits of exponent relative to it). A loopback wire: the values
-    a real codec would deliver, its bytes counted (``compressed_nbytes``), no kernels or packing yet."""
-
-    def __init__(self, rank: int, bits: int) -> None:
-        self.bits = bits
-        self.group = 32 if rank % 32 == 0 else 16
-        if rank % self.group:
-            raise ValueError(f"the {bits}-bit wire needs a rank that is a multiple of 16, not {rank}")
-        self.max_code = 2 ** (bits - 1) - 1
-
-    def compressed_nbytes(self, n: int) -> int:
-        """Bytes of one token's n values: the codes, a scale byte per group and the token's exponent byte."""
-        return math.ceil(n * self.bits / 8) + n // self.group + 1 if n else 0
-
-    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
-        """decode(encode(x)) over x's last dim (r values per token), in fp32, back in x's dtype."""
-        g = self.group
-        y = reference.fwht(x.float().reshape(*x.shape[:-1], -1, g)) * g**-0.5
-        scale = y.abs().amax(-1, keepdim=True) / self.max_code
-        scale = torch.maximum(scale, scale.amax(-2, keepdim=True) * 2.0**-31)
-        keep = -(1 << 20)  # fp32 bits of a 3-bit mantissa: add 2^20 - 1, then clear the 20 bits below it
-        scale = ((scale.view(torch.int32) + ((1 << 20) - 1)) & keep).view(torch.float32)
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        codes = torch.round(y / scale).clamp(-self.max_code, self.max_code)  # torch.round: ties to even
-        return (reference.fwht(codes * scale) * g**-0.5).reshape(x.shape).to(x.dtype)
 
 
 def _int4_codec(rank: int, rounding: str) -> TacoCodec:
@@ -188,8 +156,8 @@ class Variant:
     layers before the boundary writing through U) or "tables" (uncompressed, MAPL's anchor tables added).
     ``wire``: "bf16" (z as the pipeline dtype), or "fp8" / "int4": z and its gradient through TACO's codec at
     the rank that keeps the bytes per token of ratio R (r = 2d / R for FP8, 4d / R for INT4; the scale bytes
-    make the real ratio a little lower: ``wire_ratio``); "int6" / "int5": ``NarrowIntWire`` at 16d / (b R)
-    rounded down to a multiple of 16. ``anchor_rank``: the anchors' k; ``u_lr``: U's manifold
+    make the real ratio a little lower: ``wire_ratio``); "int6" / "int5": ``NarrowIntCodec`` at the largest rank,
+    a multiple of 16, within 2d / R bytes per token. ``anchor_rank``: the anchors' k; ``u_lr``: U's manifold
     learning rate (``--mapl-lr``); ``u_adam_lr``: U by Riemannian Adam at this learning rate; None: the defaults."""
 
     mode: str
@@ -205,13 +173,14 @@ class Variant:
         if self.wire == "int4e4m3":  # r / 2 code bytes and r / 32 scale bytes <= 2d / R
             rank = int(hidden_size * 2 / self.ratio * 32 / 17)
             return rank - rank % 32
-        rank = int(hidden_size * 16 / WIRE_BITS.get(self.wire, 16) / self.ratio)
-        return rank - rank % 16 if self.wire in NARROW_INT_WIRES else rank
+        if self.wire in ("int6", "int5"):
+            return narrow_int_rank(2 * hidden_size / self.ratio, WIRE_BITS[self.wire])
+        return int(hidden_size * 16 / WIRE_BITS.get(self.wire, 16) / self.ratio)
 
     def wire_codec(self, hidden_size: int):
         """The codec of the z message (None: bf16)."""
-        if self.wire in NARROW_INT_WIRES:
-            return NarrowIntWire(self.rank(hidden_size), WIRE_BITS[self.wire])
+        if self.wire == "int6":
+            return NarrowIntCodec(self.rank(hidden_size), 6)
         if self.wire == "int4e4m3":
             return TacoCodec(32, "int4", "ash", "e4m3")
         if self.wire.startswith("int4"):
@@ -244,7 +213,8 @@ class Variant:
         if self.wire == "topk":  # r = d; the ratio sets k
             given.update(ratio=self.ratio, wire="topk")
         else:
-            given.update(rank=self.rank(hidden_size), wire="bf16" if self.wire.startswith("int") else self.wire)
+            # a --mapl-wire value, or bf16 with the loopback's own wire around it
+            given.update(rank=self.rank(hidden_size), wire=self.wire if self.wire in WIRES else "bf16")
         return MaplConfig(**{k: v for k, v in given.items() if v is not None})
 
 
@@ -303,8 +273,6 @@ class _WireRoundTrip(torch.autograd.Function):
 
 
 def _round_trip(codec, x: torch.Tensor) -> torch.Tensor:
-    if isinstance(codec, NarrowIntWire):
-        return codec.round_trip(x)
     return codec.decompress(codec.compress(x), x.shape, x.dtype, validate=False)
 
 
@@ -564,11 +532,11 @@ def main(argv: Optional[List[str]] = None) -> None:
             parsed = _parse(variant)
         except ValueError as exc:
             parser.error(f"--variants: {exc}")
-        loopback_only = parsed.mode not in ("none", "compress") or parsed.wire.startswith("int") or parsed.u_adam_lr
+        loopback_only = parsed.mode not in ("none", "compress") or parsed.wire not in WIRES or parsed.u_adam_lr
         if args.pipeline_parallel == 2 and loopback_only:
             parser.error(
                 f"--variants: {variant!r} is a loopback variant; at --pipeline-parallel 2 use none or Rx, with "
-                "+fp8 or +topk (--mapl-wire), +anchorsK or +ulrF"
+                "+fp8, +int5 or +topk (--mapl-wire), +anchorsK or +ulrF"
             )
     if args.warmup >= args.steps:  # one line here, not a traceback from every run
         parser.error(

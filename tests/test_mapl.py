@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from megatron_taco.config.mapl import MaplConfig, MaplConfigError, add_mapl_args, mapl_config_from_args
-from megatron_taco.mapl.wire import fp8_wire_codec
+from megatron_taco.codec.narrow_int import NarrowIntCodec
+from megatron_taco.mapl.wire import describe_compression, fp8_wire_codec
 from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stiefel import (
     StiefelAdam,
@@ -558,6 +559,20 @@ def test_invalid_mapl_combinations_with_the_model_are_rejected():
         )
     with pytest.raises(MaplConfigError, match="--mapl-wire: invalid value 'fp4'"):
         MaplConfig(ratio=8, wire="fp4")
+    # the INT5 wire: the largest multiple of 16 values within 2d / R bytes (hidden 64 at 8x: 16 bytes; 16 values
+    # take 12: 10 of codes, a scale byte, an exponent byte; 32 would take 22)
+    assert _parse(["--mapl-ratio", "8", "--mapl-wire", "int5"]).wire_rank(64) == 16
+    assert describe_compression(512, 192, NarrowIntCodec(192, 5), 2) == "8.06x in bytes: z as INT5 messages both ways"
+    assert (MaplConfig(ratio=8, wire="int5").wire_rank(512), MaplConfig(ratio=1, wire="int5").wire_rank(64)) == (
+        192,
+        64,
+    )
+    with pytest.raises(
+        MaplConfigError, match=r"--mapl-ratio 16 with --mapl-wire int5: 8 bytes per token .* not even 16"
+    ):
+        TrainConfig(TINY_GPT, pipeline_parallel=2, mapl=MaplConfig(ratio=16, wire="int5"))
+    with pytest.raises(MaplConfigError, match="--mapl-wire int5 with --mapl-rank: the wire rank 24 .* multiple of 16"):
+        TrainConfig(TINY_GPT, pipeline_parallel=2, mapl=MaplConfig(rank=24, wire="int5"))
     # the top-k wire: U square, the ratio sets k (hidden 64 at 8x: 16 bytes = 8 values, 8 6-bit indices, a scale)
     topk = _parse(["--mapl-ratio", "8", "--mapl-wire", "topk"])
     assert (topk.wire_rank(64), topk.topk_values(64)) == (64, 8)

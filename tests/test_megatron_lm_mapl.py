@@ -293,6 +293,17 @@ def test_the_topk_wire_in_megatron_lm_sends_k_values_and_their_positions_both_wa
     assert receiver["losses"][-1] < receiver["losses"][0], receiver["losses"]
 
 
+def test_the_int5_wire_in_megatron_lm_sends_5_bit_codes_both_ways():
+    """--mapl-wire int5 at 4x in bytes: 16 bytes per token hold r = 16 values (10 bytes of codes, a scale byte, an
+    exponent byte; no header), as one message of fp32 elements each way; it trains, U moves, the replicas agree."""
+    flags = ["--mapl-ratio", "4", "--mapl-wire", "int5"]
+    sender, receiver = run_distributed(_megatron_lm_steps, 2, flags, 3, timeout=240)
+    assert sender["p2p_shapes"] == receiver["p2p_shapes"] == [(1, 1, SEQ * MICRO_BATCH * 12 // 4)] * 3
+    assert sender["u"][0].shape == (32, 16) and torch.equal(sender["u"][0], receiver["u"][0])
+    assert min(sender["u_moved"]) > 1e-4
+    assert receiver["losses"][-1] < receiver["losses"][0], receiver["losses"]
+
+
 def test_per_token_loss_scales_u_like_every_other_gradient():
     """--calculate-per-token-loss: the loss is a sum and megatron-core divides the gradients by the batch's tokens
     afterwards. With equal micro-batches that is the same training as the mean loss, U included (its gradient was

@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 from typing import Any, List, Optional, Tuple
 
+from megatron_taco.codec.narrow_int import narrow_int_rank
 from megatron_taco.codec.topk import topk_count, topk_token_bytes
 from megatron_taco.config.errors import MaplConfigError
 
@@ -23,9 +24,11 @@ __all__ = [
 
 ANCHOR_INITS = ("embedding", "random")
 # what z travels as: "bf16" = the pipeline dtype; "fp8" = TACO's FP8 codec, at twice the rank for a ratio;
+# "int5" = 5-bit integers (``codec.narrow_int``), the largest rank, a multiple of 16, within the ratio's bytes;
 # "topk" = U square, each token's k largest values of z in FP8 and which they are (``codec.topk``)
-WIRES = {"bf16": 1, "fp8": 2, "topk": None}  # wire name: rank multiplier at a given --mapl-ratio (None: r = d)
-FP8_WIRE_GROUP = 16  # the FP8 wire's rank must be a multiple of the codec's smallest group
+WIRES = {"bf16": 1, "fp8": 2, "int5": None, "topk": None}  # wire: rank multiplier at a --mapl-ratio (None: own rule)
+WIRE_GROUP = 16  # the FP8 and INT5 wires' rank must be a multiple of their codecs' smallest group
+INT5_BITS = 5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,8 +37,9 @@ class MaplConfig:
     ranks: one r per boundary, in pipeline order (boundary g joins pipeline positions g and g + 1);
     vq_levels > 0: residual VQ of z with that many codebooks of vq_codes codes (indices on the wire);
     wire: "bf16" (z in the pipeline dtype), "fp8" (z and dL/dz as FP8 codec messages; a ratio then means
-    bytes per token, so r = 2d / ratio) or "topk" (r = d; each token sends its k largest values of z in FP8
-    and their positions, k the most that keep the ratio in bytes: :meth:`topk_values`)."""
+    bytes per token, so r = 2d / ratio), "int5" (z and dL/dz as 5-bit integers; r the largest multiple of 16 whose
+    bytes per token fit 2d / ratio: 1.5x the FP8 wire's rank) or "topk" (r = d; each token sends its k largest
+    values of z in FP8 and their positions, k the most that keep the ratio in bytes: :meth:`topk_values`)."""
 
     rank: Optional[int] = None
     ratio: Optional[float] = None
@@ -106,13 +110,13 @@ class MaplConfig:
 
     def wire_rank(self, hidden_size: int, boundary: int = 0) -> int:
         """r of ``boundary`` for a model of hidden size d, checked against it (and, with the FP8 wire, against the
-        codec's groups of 16 to 128 values)."""
+        codec's groups of 16 to 128 values; with the INT5 wire, of 16 or 32)."""
         r = self._width(hidden_size, boundary)
-        if self.wire == "fp8" and r % FP8_WIRE_GROUP:
+        if self.wire in ("fp8", "int5") and r % WIRE_GROUP:
             given = "--mapl-rank" if self.rank is not None else "--mapl-ratio"
             raise MaplConfigError(
-                f"--mapl-wire fp8 with {given}: the wire rank {r} (hidden size {hidden_size}) must be a multiple of "
-                f"{FP8_WIRE_GROUP}"
+                f"--mapl-wire {self.wire} with {given}: the wire rank {r} (hidden size {hidden_size}) must be a "
+                f"multiple of {WIRE_GROUP}"
             )
         return r
 
@@ -133,6 +137,14 @@ class MaplConfig:
         if self.wire == "topk":
             self.topk_values(hidden_size)  # checked: at least one value fits the ratio
             return hidden_size
+        if self.wire == "int5":
+            r = min(narrow_int_rank(2 * hidden_size / self.ratio, INT5_BITS), hidden_size - hidden_size % WIRE_GROUP)
+            if r < WIRE_GROUP:
+                raise MaplConfigError(
+                    f"--mapl-ratio {self.ratio:g} with --mapl-wire int5: {2 * hidden_size / self.ratio:g} bytes per "
+                    f"token (hidden size {hidden_size} in bf16 / ratio) hold not even {WIRE_GROUP} values"
+                )
+            return r
         r = hidden_size * WIRES[self.wire] / self.ratio
         if r != int(r) or r < 1 or r > hidden_size:
             raise MaplConfigError(
@@ -222,7 +234,9 @@ def add_mapl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="what z travels as: auto (default) = fp8 with --mapl-ratio wherever it applies, else bf16 (the "
         "start-up line says which and why); bf16 = the pipeline dtype; fp8 = TACO's FP8 codec forward and backward "
         "(Hadamard, a scale byte per group of up to 128 values; r a multiple of 16) at twice the rank, so "
-        "--mapl-ratio keeps its bytes for a 2-byte pipeline dtype; topk = U square, and each token sends only its "
+        "--mapl-ratio keeps its bytes for a 2-byte pipeline dtype; int5 = 5-bit integers forward and backward "
+        "(Hadamard, a scale byte per group of 32) at the largest rank, a multiple of 16, within --mapl-ratio's "
+        "bytes (1.5x the FP8 wire's; a lead, not the default yet); topk = U square, and each token sends only its "
         "k largest values of z in FP8 with their positions (both ways), k the most that keep --mapl-ratio in bytes",
     )
     group.add_argument("--mapl-anchor-rank", type=int, default=64, help="rank k of the token anchors E[t] B (0: none)")
@@ -305,10 +319,10 @@ def auto_wire(
     if not decode_on_arrival:
         return "bf16", "virtual pipeline stages overlap their P2P (--no-overlap-p2p-communication lets fp8 apply)"
     r = WIRES["fp8"] * hidden_size / ratio
-    if r != int(r) or r % FP8_WIRE_GROUP or r > hidden_size:
+    if r != int(r) or r % WIRE_GROUP or r > hidden_size:
         return "bf16", (
             f"the FP8 wire's rank {WIRES['fp8']} x {hidden_size} / {ratio:g} = {r:g} is not a multiple of "
-            f"{FP8_WIRE_GROUP} up to the hidden size"
+            f"{WIRE_GROUP} up to the hidden size"
         )
     return "fp8", f"twice the rank ({int(r)}) at the same bytes per token"
 

@@ -583,7 +583,7 @@ _WIRE_COMMUNICATORS: Dict[tuple, CodecWireCommunicator] = {}
 def schedule_inputs(models: List[torch.nn.Module], cfg: MaplConfig) -> Tuple[List["ScheduleView"], Dict[str, Any]]:
     """The models as megatron-core's pipeline schedule must see them (P2P buffers of the wire width) and the
     extra schedule arguments (with VQ: the communicator that puts the indices on the forward wire; with
-    ``wire="fp8"`` / ``"topk"``: the one that sends z and dL/dz as that wire's messages)."""
+    ``wire="fp8"`` / ``"int5"`` / ``"topk"``: the one that sends z and dL/dz as that wire's messages)."""
     config = models[0].config
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     widths = cfg.wire_ranks(config.hidden_size, pp, config.virtual_pipeline_model_parallel_size)

@@ -6,7 +6,8 @@ messages (FP8 E4M3 after the Hadamard transform, one power-of-two scale byte per
 tensors as with the bf16 wire. At a given byte budget this buys twice the rank: 8x in bytes is r = d / 4 in
 FP8, which trained 1.3 points better than r = d / 8 in bf16 (benchmarks/results/mapl_loopback.md).
 
-:class:`CodecWireCommunicator` also carries ``--mapl-wire topk`` (:class:`~megatron_taco.codec.topk.TopKCodec`: z
+:class:`CodecWireCommunicator` also carries ``--mapl-wire int5`` (:class:`~megatron_taco.codec.narrow_int.NarrowIntCodec`:
+5-bit integers after a Hadamard of 32, 1.5x the FP8 wire's rank at no more bytes) and ``--mapl-wire topk`` (:class:`~megatron_taco.codec.topk.TopKCodec`: z
 d wide, each token's k largest values in FP8 and their positions; the receiving stage keeps dL/dz on the
 coordinates that arrived, so the gradient goes back at the same k).
 
@@ -40,9 +41,10 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
 from megatron_taco.codec import TacoCodec
+from megatron_taco.codec.narrow_int import NarrowIntCodec
 from megatron_taco.codec.topk import TopKCodec
 from megatron_taco.config.errors import MaplConfigError
-from megatron_taco.config.mapl import MaplConfig
+from megatron_taco.config.mapl import INT5_BITS, MaplConfig
 
 __all__ = [
     "CodecWireCommunicator",
@@ -54,8 +56,9 @@ __all__ = [
 ]
 
 
-# what a compressed wire sends z and dL/dz as: TACO's FP8 codec (--mapl-wire fp8) or the top-k one (topk)
-MaplWireCodec = Union[TacoCodec, TopKCodec]
+# what a compressed wire sends z and dL/dz as: TACO's FP8 codec (--mapl-wire fp8), the 5-bit one (int5) or the
+# top-k one (topk)
+MaplWireCodec = Union[TacoCodec, NarrowIntCodec, TopKCodec]
 
 
 def fp8_wire_codec(rank: int) -> TacoCodec:
@@ -71,6 +74,8 @@ def wire_codec(cfg: MaplConfig, rank: int) -> Optional[MaplWireCodec]:
     """The codec of ``cfg.wire`` for a z of ``rank`` values (None: z goes as it is in the pipeline dtype)."""
     if cfg.wire == "topk":
         return TopKCodec(rank, cfg.topk_values(rank))
+    if cfg.wire == "int5":
+        return NarrowIntCodec(rank, INT5_BITS)
     return fp8_wire_codec(rank) if cfg.wire == "fp8" else None
 
 
@@ -89,6 +94,8 @@ def describe_compression(hidden_size: int, rank: int, codec: Optional[MaplWireCo
         return f"{ratio:g}x"
     if isinstance(codec, TopKCodec):
         return f"{ratio:.2f}x in bytes: each token's {codec.k} largest of {rank} values of z in FP8, both ways"
+    if isinstance(codec, NarrowIntCodec):
+        return f"{ratio:.2f}x in bytes: z as INT{codec.bits} messages both ways"
     return f"{ratio:.2f}x in bytes: z as FP8 codec messages both ways"
 
 
@@ -139,7 +146,7 @@ class CodecWireCommunicator(P2PCommunicator):
     ):
         if not wait_on_reqs:
             raise MaplConfigError(
-                "--mapl-wire fp8 / topk decode P2P messages on arrival; add --no-overlap-p2p-communication"
+                "--mapl-wire fp8 / int5 / topk decode P2P messages on arrival; add --no-overlap-p2p-communication"
             )
         if tensor_shape is not None:
             self._shape = tuple(tensor_shape)
