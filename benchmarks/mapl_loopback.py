@@ -24,9 +24,9 @@ beside the anchors), ``+fp8`` / ``+int4`` (the same bytes per token spent on a w
 the scale bytes make the real ratio a little lower, and the report names it; ``+fp8`` is ``--mapl-wire fp8``),
 ``+int4sr`` (``+int4`` with dL/dz stochastically rounded: unbiased), ``+int4fwd`` (INT4 forward, dL/dz in FP8 at
 the same rank: twice the backward bytes, a diagnostic of which direction's rounding costs), ``+int6`` / ``+int5``
-(z and dL/dz as 6- or 5-bit integers under a 3-mantissa-bit scale byte per group of 32: at no more bytes than the
-FP8 wire, rank 160 / 192 instead of 128 at 8x; ``+int5`` is ``--mapl-wire int5``), ``+int4e4m3`` (INT4 under E4M3 scales per 32
-values, TACO's NVFP4-style layout: rank 224 at 8x within the FP8 wire's bytes),
+(z and dL/dz as 6- or 5-bit integers under a 3-mantissa-bit scale byte per group of 32: at no more bytes than
+the FP8 wire, rank 160 / 192 instead of 128 at 8x; ``+int5`` is ``--mapl-wire int5``), ``+int4e4m3`` (INT4 under
+E4M3 scales per 32 values, TACO's NVFP4-style layout: rank 224 at 8x within the FP8 wire's bytes),
 ``+topk`` (``--mapl-wire topk``: U square, each token sends its k largest coordinates in FP8 and which they are,
 k the most that keeps ratio R; dL/dz returns at the same k),
 ``+anchorsK`` (anchor rank K), ``+ulrF`` (U's manifold learning rate F, ``--mapl-lr``), ``+uadamF`` (U trained by
@@ -173,8 +173,10 @@ class Variant:
         if self.wire == "int4e4m3":  # r / 2 code bytes and r / 32 scale bytes <= 2d / R
             rank = int(hidden_size * 2 / self.ratio * 32 / 17)
             return rank - rank % 32
-        if self.wire in ("int6", "int5"):
-            return narrow_int_rank(2 * hidden_size / self.ratio, WIRE_BITS[self.wire])
+        if self.wire == "int5":  # --mapl-wire int5's own rule
+            return self.mapl_config(hidden_size).wire_rank(hidden_size)
+        if self.wire == "int6":  # the same rule at 6 bits
+            return narrow_int_rank(2 * hidden_size / self.ratio, 6)
         return int(hidden_size * 16 / WIRE_BITS.get(self.wire, 16) / self.ratio)
 
     def wire_codec(self, hidden_size: int):
@@ -210,8 +212,8 @@ class Variant:
     def mapl_config(self, hidden_size: int) -> MaplConfig:
         """MAPL's settings of this variant (INT4 aside, the loopback's own wire)."""
         given = dict(anchor_rank=self.anchor_rank, lr=self.u_lr)
-        if self.wire == "topk":  # r = d; the ratio sets k
-            given.update(ratio=self.ratio, wire="topk")
+        if self.wire in ("topk", "int5"):  # the flag's ratio sets k (r = d) or r
+            given.update(ratio=self.ratio, wire=self.wire)
         else:
             # a --mapl-wire value, or bf16 with the loopback's own wire around it
             given.update(rank=self.rank(hidden_size), wire=self.wire if self.wire in WIRES else "bf16")

@@ -283,7 +283,7 @@ ROWS = [
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8-topk", repeats=3),
     # the dense FP8 wire: z and dL/dz as TACO FP8 messages at twice the rank, the same bytes as mapl8
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8-fp8", repeats=3),
-    # the 5-bit wire: 1.5x the FP8 wire's rank at no more bytes (a lead: 16x -0.87 points against FP8, 5 seeds)
+    # the 5-bit wire: 1.5x the FP8 wire's rank at no more bytes (a lead: 16x -0.87% against FP8, 5 seeds)
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8-int5", repeats=3),
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8-bf16", repeats=3),  # the default before auto
     # diagnostic: a fixed U and no anchors have no replica sync (where does the time go?)

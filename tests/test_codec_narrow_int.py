@@ -50,8 +50,8 @@ def test_round_trip_is_the_reference_on_realistic_tokens(width, bits, dtype, dra
     gen = torch.Generator().manual_seed(width + bits)
     x = draw((40, 2, width), gen).to(dtype)
     x[0, 0] = 0  # a token of zeros
-    x[1, 0, :16] *= 1e-15  # a group more than 31 binades below its token's largest: the floor 2^(E - 31)
     codec = NarrowIntCodec(width, bits)
+    x[1, 0, : codec.group] *= 1e-15  # a group more than 31 binades below its token's largest: the floor 2^(E - 31)
     message = codec.compress(x)
     assert message.dtype == torch.uint8 and message.numel() == 80 * codec.token_bytes
     decoded = codec.decompress(message, x.shape, torch.float32)
@@ -67,35 +67,56 @@ def test_round_trip_is_the_reference_on_realistic_tokens(width, bits, dtype, dra
     assert codec.decompress(message, x.shape, dtype).dtype == dtype
 
 
+def _hadamard16(v: torch.Tensor) -> torch.Tensor:
+    """The orthonormal Hadamard of 16 (entries +-1/4): exact on small dyadic values, so a token built as H y
+    rotates back to exactly y."""
+    h = torch.ones(1, 1)
+    while h.shape[0] < 16:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return v @ (h / 4)
+
+
+def _packed(codes, bits: int) -> list:
+    """Each 8 codes (offset by 2^(b-1)) as one little-endian word of b bytes, the first code lowest."""
+    out = []
+    for w in range(0, len(codes), 8):
+        word = sum((c + 2 ** (bits - 1)) << (bits * i) for i, c in enumerate(codes[w : w + 8]))
+        out += [(word >> (8 * b)) & 0xFF for b in range(bits)]
+    return out
+
+
 def test_the_layout_is_exponent_byte_scale_bytes_and_packed_codes():
-    """One token of 32 values, all in group 0: y = H x / sqrt(32) puts x = e_0 * 15 at y = 15 / sqrt(32) in every
-    coordinate, so max / M = 1 / sqrt(32) = 0.1767..: 2^-3 (1 + 3 / 8) = 0.171875 is below it, so the step is
-    (1 + 4 / 8) 2^-3 = 0.1875; the codes are rint(2.6517 / 0.1875) = 14 everywhere, stored as 14 + 16 = 30."""
-    x = torch.zeros(1, 32)
-    x[0, 0] = 15.0
-    codec = NarrowIntCodec(32, 5)
+    """One token of 48 values (groups of 16), built so that its rotated groups are exact multiples of known steps:
+    group 0 steps 2^-2 (15 the largest code), group 1 (1 + 4 / 8) 2^-5, group 2 far below (the floor 2^(-2 - 31)).
+    Ties go to the even code (2.5 -> 2, 3.5 -> 4, -2.5 -> -2)."""
+    first = [15, -15, 7, -8, 1, 0, 2.5, 3.5, -2.5, 9, -3, 4, 11, -12, 5, 6]
+    second = [14, -15, 0, 1, 2, 3, -4, 5, 6, -7, 8, 9, -10, 11, 12, 13]
+    y = torch.tensor([[v * 0.25 for v in first] + [v * 1.5 * 2**-5 for v in second] + [1e-15] * 16])
+    x = torch.cat([_hadamard16(y[:, 16 * g : 16 * (g + 1)]) for g in range(3)], 1)
+    codec = NarrowIntCodec(48, 5)
     message = codec.compress(x)
-    assert message.numel() == 1 + 1 + 20
-    assert (message[0].item(), message[1].item()) == (-3 + 127, (0 << 3) | 4)
-    words = message[2:].view(4, 5).to(torch.int64) << (torch.arange(5) * 8)  # 8 codes per 5 bytes, little-endian
-    codes = (words.sum(-1, keepdim=True) >> (torch.arange(8) * 5)) & 31
-    assert (codes == 30).all()
+    codes = [15, -15, 7, -8, 1, 0, 2, 4, -2, 9, -3, 4, 11, -12, 5, 6] + second + [0] * 16
+    expected = [-2 + 127, 0, (3 << 3) | 4, (31 << 3) | 0] + _packed(codes, 5)
+    assert message.tolist() == expected
     decoded = codec.decompress(message, x.shape)
-    assert (
-        torch.allclose(decoded, _reference(x, 5).float()) and abs(decoded[0, 0].item() - 14 * 0.1875 * 32**0.5) < 1e-5
-    )
+    steps = [0.25] * 16 + [1.5 * 2**-5] * 16 + [2.0**-33] * 16
+    rotated = torch.tensor([[c * s for c, s in zip(codes, steps)]])
+    assert torch.equal(decoded, torch.cat([_hadamard16(rotated[:, 16 * g : 16 * (g + 1)]) for g in range(3)], 1))
+    tiny = codec.compress(torch.full((1, 48), 1e-40))  # steps at least 2^-126: exponent byte 1, codes 0
+    assert tiny[0].item() == 1 and torch.equal(codec.decompress(tiny, (1, 48)), torch.zeros(1, 48))
 
 
-def test_a_token_with_a_nan_or_an_inf_decodes_as_nan_and_others_are_untouched():
+def test_a_token_with_a_nan_an_inf_or_an_overflowing_rotation_decodes_as_nan_and_others_are_untouched():
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(4, 64, generator=gen)
     x[1, 3], x[2, 60] = float("nan"), float("inf")
+    x[3] = 3e38  # finite, but its rotation overflows fp32
     codec = NarrowIntCodec(64, 5)
     message = codec.compress(x)
     decoded = codec.decompress(message, x.shape)
-    assert decoded[1].isnan().all() and decoded[2].isnan().all()
-    assert torch.equal(decoded[[0, 3]], codec.decompress(codec.compress(x[[0, 3]]), (2, 64)))
-    assert message.view(4, -1)[:, 0].tolist()[1:3] == [255, 255]
+    assert decoded[1:].isnan().all()
+    assert torch.equal(decoded[0], codec.decompress(codec.compress(x[0]), (64,)))
+    assert message.view(4, -1)[:, 0].tolist() == [message[0].item(), 255, 255, 255]
 
 
 def test_out_and_bad_messages():

@@ -29,9 +29,9 @@ def _config():
 
 @pytest.mark.parametrize("variant", ["8x", "8x+fp8", "8x+int5", "8x+topk"])
 def test_loopback_trains_like_pp2(variant):
-    """``8x+fp8`` / ``8x+int5`` / ``8x+topk``: PP=2 with ``--mapl-wire fp8`` / ``int5`` / ``topk`` (CodecWireCommunicator encodes z and
-    dL/dz on send, decodes them on arrival; with topk the receiving stage keeps dL/dz on what arrived) against
-    the loopback's round trip of both through the same codec."""
+    """``8x+fp8`` / ``8x+int5`` / ``8x+topk``: PP=2 with ``--mapl-wire fp8`` / ``int5`` / ``topk``
+    (CodecWireCommunicator encodes z and dL/dz on send, decodes them on arrival; with topk the receiving stage keeps
+    dL/dz on what arrived) against the loopback's round trip of both through the same codec."""
     pipeline = run_distributed(train_loopback, 2, _config(), variant, STEPS, DATA_SEED, EVAL_ITERS, "", 2, timeout=600)
     pipeline = pipeline[0]
     loopback = run_distributed(train_loopback, 1, _config(), variant, STEPS, DATA_SEED, EVAL_ITERS, timeout=600)[0]

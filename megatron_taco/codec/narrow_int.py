@@ -2,15 +2,16 @@
 
 MAPL's ``--mapl-wire int5`` sends z (r values per token) and dL/dz this way. At the same bytes per token as the FP8
 wire it keeps 1.5x the rank (8x at d = 512: r = 192 against 128), and rank is what the boundary's loss follows: on
-the GPU model (1500 steps, 5 seeds) 16x cost 0.87 points less than the FP8 wire in every seed, 8x 0.50 less in 4 of 5
-(benchmarks/results/mapl_loopback.md). A token's r values become one row of the message::
+the GPU model (1500 steps, 5 seeds) 16x ended 0.87% lower than with the FP8 wire in every seed, 8x 0.50% lower in 4
+of 5 (benchmarks/results/mapl_loopback.md). A token's r values become one row of the message::
 
     row    = [exponent byte][r / G scale bytes][r b / 8 code bytes]
     groups G = 32 consecutive values (16 where r is not a multiple of 32), each rotated by the orthonormal
            Hadamard y = H x / sqrt(G) (Sylvester order, ``reference.fwht``)
     step   s = max |y| / M of the group (M = 2^(b-1) - 1), at least 2^-126, rounded up to 3 mantissa bits, so no
            value clips: s = (1 + k / 8) 2^e
-    exponent byte  E + 127, E the largest e of the token (255: the token held a NaN or an Inf; it decodes as NaN)
+    exponent byte  E + 127, E the largest e of the token (255: the token held a NaN or an Inf, or its rotation
+                   overflowed; it decodes as NaN)
     scale byte     (E - e) << 3 | k, E - e in [0, 31]; a group whose e is lower takes the step 2^(E - 31)
     codes  rint(y / s) (ties to even) in [-M, M], stored as code + 2^(b-1) in b bits, 8 codes in b bytes, the
            first code in the lowest bits (little-endian)
@@ -37,11 +38,10 @@ _NONFINITE = 255  # exponent byte of a token that held a NaN or an Inf
 
 
 def narrow_int_rank(byte_budget: float, bits: int) -> int:
-    """The largest r, a multiple of 16, whose bytes per token (:meth:`NarrowIntCodec.token_nbytes`) fit
+    """The largest r, a multiple of 16, whose bytes per token (``NarrowIntCodec.token_bytes``) fit
     ``byte_budget`` (0 when not even 16 values fit)."""
-    fits = [
-        r for r in range(16, int(byte_budget * 8 / bits) + 17, 16) if NarrowIntCodec(r, bits).token_bytes <= byte_budget
-    ]
+    candidates = range(16, int(byte_budget * 8 / bits) + 17, 16)
+    fits = [r for r in candidates if NarrowIntCodec(r, bits).token_bytes <= byte_budget]
     return max(fits, default=0)
 
 
@@ -62,12 +62,6 @@ class NarrowIntCodec:
         self.code_bytes = width * bits // 8
         self.token_bytes = 1 + self.groups + self.code_bytes
 
-    def describe(self) -> str:
-        return (
-            f"{self.width} values per token as INT{self.bits} after a Hadamard of {self.group}, a scale byte per "
-            f"group ({self.token_bytes} bytes per token)"
-        )
-
     def compressed_nbytes(self, numel: int) -> int:
         return numel // self.width * self.token_bytes
 
@@ -86,10 +80,12 @@ class NarrowIntCodec:
         rows = x.detach().reshape(tokens, self.groups, self.group).float()
         finite = torch.isfinite(rows).flatten(1).all(-1)
         y = self._rotate(torch.where(finite[:, None, None], rows, torch.zeros((), device=rows.device)))
+        finite &= torch.isfinite(y).flatten(1).all(-1)  # a rotation can overflow fp32 (values near 1e38)
+        y = torch.where(finite[:, None, None], y, torch.zeros((), device=y.device))
         need = torch.clamp(y.abs().amax(-1) / self.max_code, min=2.0**MIN_STEP_EXPONENT)
         # need = m 2^f, m in [0.5, 1): the step (1 + k / 8) 2^(f - 1) with k = ceil(8 (2m - 1)); k = 8 is 2^f
         mantissa, exponent = torch.frexp(need)
-        k = torch.ceil((2 * mantissa.double() - 1) * 2**MANTISSA_BITS).to(torch.int32)
+        k = torch.ceil((2 * mantissa - 1) * 2**MANTISSA_BITS).to(torch.int32)  # exact in fp32
         exponent = exponent - 1 + (k >> MANTISSA_BITS)
         k = k & (2**MANTISSA_BITS - 1)
         top = exponent.amax(-1, keepdim=True)
@@ -119,14 +115,14 @@ class NarrowIntCodec:
         """[T, width] codes of ``bits`` bits -> [T, code_bytes] uint8: each 8 codes one little-endian word of
         ``bits`` bytes, code i in bits [i b, (i + 1) b)."""
         shifts = torch.arange(8, device=codes.device) * self.bits
-        words = (codes.view(codes.shape[0], -1, 8) << shifts).sum(-1)
+        words = (codes.view(codes.shape[0], self.width // 8, 8) << shifts).sum(-1)
         byte_shifts = torch.arange(self.bits, device=codes.device) * 8
         return ((words[..., None] >> byte_shifts) & 0xFF).to(torch.uint8).flatten(1)
 
     def _unpack(self, packed: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`_pack`."""
         byte_shifts = torch.arange(self.bits, device=packed.device) * 8
-        words = (packed.view(packed.shape[0], -1, self.bits).to(torch.int64) << byte_shifts).sum(-1)
+        words = (packed.view(packed.shape[0], self.width // 8, self.bits).to(torch.int64) << byte_shifts).sum(-1)
         shifts = torch.arange(8, device=packed.device) * self.bits
         return ((words[..., None] >> shifts) & (2**self.bits - 1)).flatten(1)
 

@@ -143,6 +143,7 @@ class MaplConfig:
                 raise MaplConfigError(
                     f"--mapl-ratio {self.ratio:g} with --mapl-wire int5: {2 * hidden_size / self.ratio:g} bytes per "
                     f"token (hidden size {hidden_size} in bf16 / ratio) hold not even {WIRE_GROUP} values"
+                    + (f", and the hidden size is below {WIRE_GROUP}" if hidden_size < WIRE_GROUP else "")
                 )
             return r
         r = hidden_size * WIRES[self.wire] / self.ratio
@@ -236,7 +237,8 @@ def add_mapl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "(Hadamard, a scale byte per group of up to 128 values; r a multiple of 16) at twice the rank, so "
         "--mapl-ratio keeps its bytes for a 2-byte pipeline dtype; int5 = 5-bit integers forward and backward "
         "(Hadamard, a scale byte per group of 32) at the largest rank, a multiple of 16, within --mapl-ratio's "
-        "bytes (1.5x the FP8 wire's; a lead, not the default yet); topk = U square, and each token sends only its "
+        "bytes (2d / ratio per token, as for d values in bf16, whatever the pipeline dtype; 1.5x the FP8 wire's "
+        "rank; a lead, not the default yet); topk = U square, and each token sends only its "
         "k largest values of z in FP8 with their positions (both ways), k the most that keep --mapl-ratio in bytes",
     )
     group.add_argument("--mapl-anchor-rank", type=int, default=64, help="rank k of the token anchors E[t] B (0: none)")

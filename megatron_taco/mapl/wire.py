@@ -6,10 +6,11 @@ messages (FP8 E4M3 after the Hadamard transform, one power-of-two scale byte per
 tensors as with the bf16 wire. At a given byte budget this buys twice the rank: 8x in bytes is r = d / 4 in
 FP8, which trained 1.3 points better than r = d / 8 in bf16 (benchmarks/results/mapl_loopback.md).
 
-:class:`CodecWireCommunicator` also carries ``--mapl-wire int5`` (:class:`~megatron_taco.codec.narrow_int.NarrowIntCodec`:
-5-bit integers after a Hadamard of 32, 1.5x the FP8 wire's rank at no more bytes) and ``--mapl-wire topk`` (:class:`~megatron_taco.codec.topk.TopKCodec`: z
-d wide, each token's k largest values in FP8 and their positions; the receiving stage keeps dL/dz on the
-coordinates that arrived, so the gradient goes back at the same k).
+:class:`CodecWireCommunicator` also carries ``--mapl-wire int5``
+(:class:`~megatron_taco.codec.narrow_int.NarrowIntCodec`: 5-bit integers after a Hadamard of 32, 1.5x the FP8
+wire's rank at no more bytes) and ``--mapl-wire topk`` (:class:`~megatron_taco.codec.topk.TopKCodec`: z d wide,
+each token's k largest values in FP8 and their positions; the receiving stage keeps dL/dz on the coordinates that
+arrived, so the gradient goes back at the same k).
 
 :class:`IndexWireCommunicator`: VQ indices instead of activations on the forward wire.
 
