@@ -12,7 +12,7 @@ from typing import Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
-__all__ = ["WireCodec"]
+__all__ = ["WireCodec", "token_message"]
 
 
 @runtime_checkable
@@ -44,3 +44,14 @@ class WireCodec(Protocol):
 
     def decompress_rows(self, bufs: torch.Tensor, out: torch.Tensor, validate: bool = True) -> torch.Tensor:
         """Into each row of ``out`` [R, m]: the fp32 sum of its len(bufs) / R messages."""
+
+
+def token_message(rows: torch.Tensor, out: Optional[torch.Tensor], wire: str) -> torch.Tensor:
+    """The message of a wire whose tokens are rows of bytes ([tokens, bytes per token] uint8, MAPL's top-k and
+    narrow-integer wires): flat, or written into ``out`` (uint8, that many bytes) when given."""
+    if out is None:
+        return rows.flatten()
+    if out.dtype != torch.uint8 or out.shape != (rows.numel(),):
+        raise ValueError(f"{wire}: out must be uint8 of shape ({rows.numel()},), got {out.dtype} {out.shape}")
+    out.view(rows.shape).copy_(rows)
+    return out

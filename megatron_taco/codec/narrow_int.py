@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 import torch
 
 from megatron_taco.codec import reference
+from megatron_taco.codec.interface import token_message
 
 __all__ = ["NarrowIntCodec", "narrow_int_rank"]
 
@@ -102,14 +103,7 @@ class NarrowIntCodec:
             ],
             dim=1,
         )
-        if out is None:
-            return message.flatten()
-        if out.dtype != torch.uint8 or out.shape != (message.numel(),):
-            raise ValueError(
-                f"narrow-integer wire: out must be uint8 of shape ({message.numel()},), got {out.dtype} {out.shape}"
-            )
-        out.view(tokens, self.token_bytes).copy_(message)
-        return out
+        return token_message(message, out, "narrow-integer wire")
 
     def _pack(self, codes: torch.Tensor) -> torch.Tensor:
         """[T, width] codes of ``bits`` bits -> [T, code_bytes] uint8: each 8 codes one little-endian word of

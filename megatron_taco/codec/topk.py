@@ -24,6 +24,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from megatron_taco.codec.interface import token_message
+
 __all__ = ["TopKCodec", "topk_count", "topk_token_bytes"]
 
 E4M3_MAX = 448.0  # largest finite E4M3 value
@@ -110,15 +112,7 @@ class TopKCodec:
         else:
             shifts = torch.arange(_index_bits(self.width), device=x.device)
             bits = ((index[..., None] >> shifts) & 1).flatten(1).bool()
-        message = torch.cat([scale[:, None], codes, _pack_bits(bits)], dim=1)
-        if out is None:
-            return message.flatten()
-        if out.dtype != torch.uint8 or out.shape != (message.numel(),):
-            raise ValueError(
-                f"top-k wire: out must be uint8 of shape ({message.numel()},), got {out.dtype} {out.shape}"
-            )
-        out.view(tokens, self.token_bytes).copy_(message)
-        return out
+        return token_message(torch.cat([scale[:, None], codes, _pack_bits(bits)], dim=1), out, "top-k wire")
 
     def decompress(
         self, buf: torch.Tensor, shape: Sequence[int], dtype: torch.dtype = torch.float32, validate: bool = True
