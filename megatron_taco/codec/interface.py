@@ -8,11 +8,12 @@ is the one for TACO's formats (FP8 E4M3/E5M2, INT8, FP4 E2M1, INT4, with or with
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Protocol, Sequence, runtime_checkable
 
 import torch
 
-__all__ = ["WireCodec", "token_message"]
+__all__ = ["TokenRowCodec", "WireCodec"]
 
 
 @runtime_checkable
@@ -46,12 +47,37 @@ class WireCodec(Protocol):
         """Into each row of ``out`` [R, m]: the fp32 sum of its len(bufs) / R messages."""
 
 
-def token_message(rows: torch.Tensor, out: Optional[torch.Tensor], wire: str) -> torch.Tensor:
-    """The message of a wire whose tokens are rows of bytes ([tokens, bytes per token] uint8, MAPL's top-k and
-    narrow-integer wires): flat, or written into ``out`` (uint8, that many bytes) when given."""
-    if out is None:
-        return rows.flatten()
-    if out.dtype != torch.uint8 or out.shape != (rows.numel(),):
-        raise ValueError(f"{wire}: out must be uint8 of shape ({rows.numel()},), got {out.dtype} {out.shape}")
-    out.view(rows.shape).copy_(rows)
-    return out
+class TokenRowCodec:
+    """The shared half of a wire whose message is one row of ``token_bytes`` bytes per token of ``width`` values
+    (MAPL's top-k and narrow-integer wires): the message size, and the checks of what goes in and comes out.
+    A subclass sets ``width``, ``token_bytes`` and ``wire`` (its name in errors)."""
+
+    wire: str
+    width: int
+    token_bytes: int
+
+    def compressed_nbytes(self, numel: int) -> int:
+        return numel // self.width * self.token_bytes
+
+    def _tokens(self, numel: int) -> int:
+        if numel % self.width:
+            raise ValueError(f"{self.wire}: {numel} values are not whole tokens of {self.width}")
+        return numel // self.width
+
+    def _message(self, rows: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+        """The rows [tokens, token_bytes] uint8 as one flat message, written into ``out`` when given."""
+        if out is None:
+            return rows.flatten()
+        if out.dtype != torch.uint8 or out.shape != (rows.numel(),):
+            raise ValueError(f"{self.wire}: out must be uint8 of shape ({rows.numel()},), got {out.dtype} {out.shape}")
+        out.view(rows.shape).copy_(rows)
+        return out
+
+    def _rows(self, buf: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+        """A message for a tensor of ``shape`` as its rows [tokens, token_bytes], its size checked."""
+        tokens = self._tokens(math.prod(shape))
+        if buf.numel() != tokens * self.token_bytes:
+            raise ValueError(
+                f"{self.wire}: a message of {buf.numel()} bytes for {tokens} tokens of {self.token_bytes} bytes"
+            )
+        return buf.reshape(tokens, self.token_bytes)

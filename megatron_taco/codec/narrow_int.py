@@ -22,13 +22,12 @@ in the same format. Torch operations, on any device.
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 import torch
 
 from megatron_taco.codec import reference
-from megatron_taco.codec.interface import token_message
+from megatron_taco.codec.interface import TokenRowCodec
 
 __all__ = ["NarrowIntCodec", "narrow_int_rank"]
 
@@ -46,10 +45,12 @@ def narrow_int_rank(byte_budget: float, bits: int) -> int:
     return max(fits, default=0)
 
 
-class NarrowIntCodec:
+class NarrowIntCodec(TokenRowCodec):
     """Per token of ``width`` values: ``bits``-bit integers (5 or 6) under one 3-mantissa-bit step per group of 32
     (or 16) Hadamard-rotated values. compress: [..., width] -> uint8 [tokens * token_bytes]; decompress: back.
     ``compressed_nbytes`` / ``compress`` / ``decompress`` are what MAPL's P2P wire uses of a wire codec."""
+
+    wire = "narrow-integer wire"
 
     def __init__(self, width: int, bits: int) -> None:
         if bits not in (5, 6):
@@ -62,14 +63,6 @@ class NarrowIntCodec:
         self.max_code = 2 ** (bits - 1) - 1
         self.code_bytes = width * bits // 8
         self.token_bytes = 1 + self.groups + self.code_bytes
-
-    def compressed_nbytes(self, numel: int) -> int:
-        return numel // self.width * self.token_bytes
-
-    def _tokens(self, numel: int) -> int:
-        if numel % self.width:
-            raise ValueError(f"narrow-integer wire: {numel} values are not whole tokens of {self.width}")
-        return numel // self.width
 
     def _rotate(self, groups: torch.Tensor) -> torch.Tensor:
         """The orthonormal Hadamard of each group (its own inverse)."""
@@ -103,7 +96,7 @@ class NarrowIntCodec:
             ],
             dim=1,
         )
-        return token_message(message, out, "narrow-integer wire")
+        return self._message(message, out)
 
     def _pack(self, codes: torch.Tensor) -> torch.Tensor:
         """[T, width] codes of ``bits`` bits -> [T, code_bytes] uint8: each 8 codes one little-endian word of
@@ -125,12 +118,8 @@ class NarrowIntCodec:
     ) -> torch.Tensor:
         """One message -> [shape] in ``dtype``; ``validate``: check the codes lie in [-M, M] (the one unused
         pattern, -M - 1, means the bytes are not this format's)."""
-        tokens = self._tokens(math.prod(shape))
-        if buf.numel() != tokens * self.token_bytes:
-            raise ValueError(
-                f"narrow-integer wire: a message of {buf.numel()} bytes for {tokens} tokens of {self.token_bytes} bytes"
-            )
-        rows = buf.reshape(tokens, self.token_bytes)
+        rows = self._rows(buf, shape)
+        tokens = rows.shape[0]
         top = rows[:, :1].to(torch.int32) - 127
         scale_bytes = rows[:, 1 : 1 + self.groups].to(torch.int32)
         codes = self._unpack(rows[:, 1 + self.groups :]) - 2 ** (self.bits - 1)

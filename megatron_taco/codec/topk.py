@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from megatron_taco.codec.interface import token_message
+from megatron_taco.codec.interface import TokenRowCodec
 
 __all__ = ["TopKCodec", "topk_count", "topk_token_bytes"]
 
@@ -67,13 +67,15 @@ def _unpack_bits(packed: torch.Tensor, n: int) -> torch.Tensor:
     return ((packed.to(torch.int32)[..., None] >> shifts) & 1).flatten(1)[:, :n].bool()
 
 
-class TopKCodec:
+class TopKCodec(TokenRowCodec):
     """Per token of ``width`` values: the ``k`` largest in magnitude, in FP8 E4M3 under one power-of-two scale.
 
     compress: [..., width] -> uint8 [tokens * :func:`topk_token_bytes`]; decompress: back to [..., width], zeros
     where nothing was sent. ``compressed_nbytes`` / ``compress`` / ``decompress`` are what MAPL's P2P wire and its
     telemetry use of a wire codec.
     """
+
+    wire = "top-k wire"
 
     def __init__(self, width: int, k: int) -> None:
         if not 0 < k <= width:
@@ -84,14 +86,6 @@ class TopKCodec:
 
     def describe(self) -> str:
         return f"top-{self.k} of {self.width} values per token in FP8 E4M3 ({self.token_bytes} bytes per token)"
-
-    def compressed_nbytes(self, numel: int) -> int:
-        return numel // self.width * self.token_bytes
-
-    def _tokens(self, numel: int) -> int:
-        if numel % self.width:
-            raise ValueError(f"top-k wire: {numel} values are not whole tokens of {self.width}")
-        return numel // self.width
 
     def compress(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x`` [..., width] -> one uint8 message (written to ``out`` [nbytes] if given)."""
@@ -112,18 +106,14 @@ class TopKCodec:
         else:
             shifts = torch.arange(_index_bits(self.width), device=x.device)
             bits = ((index[..., None] >> shifts) & 1).flatten(1).bool()
-        return token_message(torch.cat([scale[:, None], codes, _pack_bits(bits)], dim=1), out, "top-k wire")
+        return self._message(torch.cat([scale[:, None], codes, _pack_bits(bits)], dim=1), out)
 
     def decompress(
         self, buf: torch.Tensor, shape: Sequence[int], dtype: torch.dtype = torch.float32, validate: bool = True
     ) -> torch.Tensor:
         """One message -> [shape] in ``dtype``; ``validate``: check the positions (k distinct, inside the token)."""
-        tokens = self._tokens(math.prod(shape))
-        if buf.numel() != tokens * self.token_bytes:
-            raise ValueError(
-                f"top-k wire: a message of {buf.numel()} bytes for {tokens} tokens of {self.token_bytes} bytes"
-            )
-        rows = buf.reshape(tokens, self.token_bytes)
+        rows = self._rows(buf, shape)
+        tokens = rows.shape[0]
         exponent = rows[:, 0].to(torch.int32)
         codes = rows[:, 1 : 1 + self.k].contiguous().view(torch.float8_e4m3fn).float()
         positions = rows[:, 1 + self.k :]
