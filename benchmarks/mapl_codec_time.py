@@ -7,7 +7,8 @@ INT5: the largest multiple of 16 within the same bytes), z is [tokens, r] bf16 w
 degrees of freedom), and the time is the median of 20 CUDA-event timings of what ``CodecWireCommunicator`` does on
 each side (``compress`` into the message, ``decompress`` back to bf16 with the header checked once, as after the
 first message), after 5 warm-ups. A bf16 copy of h ([tokens, d]) is timed beside them as the scale of a memory-bound
-pass. Answers: what does the INT5 wire (torch operations) cost per message against the FP8 wire (Triton kernels)?
+pass. ``int5-torch`` is the INT5 wire's torch code (``backend="torch"``), the path before its Triton kernels.
+Answers: what does the INT5 wire cost per message against the FP8 wire, and what did its kernels buy?
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ import torch
 import triton
 
 from benchmarks.provenance import project_commit
-from megatron_taco.config.mapl import MaplConfig
+from megatron_taco.codec.narrow_int import NarrowIntCodec
+from megatron_taco.config.mapl import INT5_BITS, MaplConfig
 from megatron_taco.mapl.wire import wire_codec
 
-WIRES = ("fp8", "int5")
+WIRES = ("fp8", "int5", "int5-torch")  # int5-torch: NarrowIntCodec(backend="torch")
 WARMUPS, TIMINGS = 5, 20
 
 
@@ -45,8 +47,9 @@ def _median_ms(fn) -> float:
 
 def time_wire(hidden: int, ratio: float, wire: str, tokens: int) -> dict:
     """Encode and decode milliseconds of ``wire`` at ``hidden`` / ``ratio`` for one message of ``tokens``."""
-    rank = MaplConfig(ratio=ratio, wire=wire).wire_rank(hidden)
-    codec = wire_codec(MaplConfig(ratio=ratio, wire=wire), rank)
+    setting = MaplConfig(ratio=ratio, wire=wire.removesuffix("-torch"))
+    rank = setting.wire_rank(hidden)
+    codec = NarrowIntCodec(rank, INT5_BITS, backend="torch") if wire == "int5-torch" else wire_codec(setting, rank)
     torch.manual_seed(0)
     z = torch.distributions.StudentT(3.0).sample((tokens, rank)).to("cuda", torch.bfloat16)
     message = torch.empty(codec.compressed_nbytes(z.numel()), dtype=torch.uint8, device="cuda")

@@ -68,9 +68,16 @@ class TokenRowCodec:
         """The rows [tokens, token_bytes] uint8 as one flat message, written into ``out`` when given."""
         if out is None:
             return rows.flatten()
-        if out.dtype != torch.uint8 or out.shape != (rows.numel(),):
-            raise ValueError(f"{self.wire}: out must be uint8 of shape ({rows.numel()},), got {out.dtype} {out.shape}")
-        out.view(rows.shape).copy_(rows)
+        self._message_buffer(rows.shape[0], out, rows.device).view(rows.shape).copy_(rows)
+        return out
+
+    def _message_buffer(self, tokens: int, out: Optional[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """Where the message of ``tokens`` goes: ``out`` (checked: uint8 of the message's size) or a new buffer."""
+        nbytes = tokens * self.token_bytes
+        if out is None:
+            return torch.empty(nbytes, dtype=torch.uint8, device=device)
+        if out.dtype != torch.uint8 or out.shape != (nbytes,):
+            raise ValueError(f"{self.wire}: out must be uint8 of shape ({nbytes},), got {out.dtype} {out.shape}")
         return out
 
     def _rows(self, buf: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:

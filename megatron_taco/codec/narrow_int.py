@@ -17,7 +17,8 @@ of 5 (benchmarks/results/mapl_loopback.md). A token's r values become one row of
            first code in the lowest bits (little-endian)
 
 Decoding multiplies the codes by their steps and rotates back (H is its own inverse up to G). The gradient goes back
-in the same format. Torch operations, on any device.
+in the same format. On CUDA tensors fused Triton kernels (``codec.narrow_int_kernels``: the same bytes and values)
+do both; elsewhere the torch operations below.
 """
 
 from __future__ import annotations
@@ -52,12 +53,16 @@ class NarrowIntCodec(TokenRowCodec):
 
     wire = "narrow-integer wire"
 
-    def __init__(self, width: int, bits: int) -> None:
+    def __init__(self, width: int, bits: int, backend: str = "auto") -> None:
+        """``backend``: "auto" (the Triton kernels on CUDA tensors, torch otherwise), "torch" or "triton" (also on
+        CPU tensors under TRITON_INTERPRET=1)."""
+        if backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"narrow-integer wire: backend {backend!r}; choose auto, torch or triton")
         if bits not in (5, 6):
             raise ValueError(f"narrow-integer wire: {bits} bits per value; choose 5 or 6")
         if width <= 0 or width % 16:
             raise ValueError(f"narrow-integer wire: {width} values per token; needs a positive multiple of 16")
-        self.width, self.bits = width, bits
+        self.width, self.bits, self.backend = width, bits, backend
         self.group = 32 if width % 32 == 0 else 16
         self.groups = width // self.group
         self.max_code = 2 ** (bits - 1) - 1
@@ -68,9 +73,22 @@ class NarrowIntCodec(TokenRowCodec):
         """The orthonormal Hadamard of each group (its own inverse)."""
         return reference.fwht(groups) * self.group**-0.5
 
+    def _kernels(self, x: torch.Tensor):
+        """The Triton kernels' module for this tensor, or None for the torch code."""
+        if self.backend == "torch" or (self.backend == "auto" and not x.is_cuda):
+            return None
+        from megatron_taco.codec import narrow_int_kernels  # imports this module's format constants
+
+        return narrow_int_kernels
+
     def compress(self, x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x`` [..., width] -> one uint8 message (written to ``out`` [nbytes] if given)."""
         tokens = self._tokens(x.numel())
+        kernels = self._kernels(x)
+        if kernels is not None and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            message = self._message_buffer(tokens, out, x.device)
+            kernels.compress_rows(x.detach().reshape(tokens, self.width), message, self.width, self.bits)
+            return message
         rows = x.detach().reshape(tokens, self.groups, self.group).float()
         finite = torch.isfinite(rows).flatten(1).all(-1)
         y = self._rotate(torch.where(finite[:, None, None], rows, torch.zeros((), device=rows.device)))
@@ -120,11 +138,18 @@ class NarrowIntCodec(TokenRowCodec):
         pattern, -M - 1, means the bytes are not this format's)."""
         rows = self._rows(buf, shape)
         tokens = rows.shape[0]
+        kernels = self._kernels(buf)
+        if validate or kernels is None:
+            codes = self._unpack(rows[:, 1 + self.groups :]) - 2 ** (self.bits - 1)
+            if validate and bool((codes < -self.max_code).any()):
+                raise ValueError(f"narrow-integer wire: a code outside [-{self.max_code}, {self.max_code}]")
+        if kernels is not None:
+            direct = dtype in (torch.float32, torch.bfloat16, torch.float16)
+            out = torch.empty(tokens, self.width, dtype=dtype if direct else torch.float32, device=buf.device)
+            kernels.decompress_rows(buf.reshape(-1), out, self.width, self.bits)
+            return out.view(*shape).to(dtype)
         top = rows[:, :1].to(torch.int32) - 127
         scale_bytes = rows[:, 1 : 1 + self.groups].to(torch.int32)
-        codes = self._unpack(rows[:, 1 + self.groups :]) - 2 ** (self.bits - 1)
-        if validate and bool((codes < -self.max_code).any()):
-            raise ValueError(f"narrow-integer wire: a code outside [-{self.max_code}, {self.max_code}]")
         exponent = top - (scale_bytes >> MANTISSA_BITS)
         step = torch.ldexp(1 + (scale_bytes & (2**MANTISSA_BITS - 1)).float() / 2**MANTISSA_BITS, exponent.float())
         decoded = self._rotate(codes.view(tokens, self.groups, self.group).float() * step[..., None])
