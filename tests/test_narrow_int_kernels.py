@@ -171,18 +171,32 @@ def test_decompress_matches_on_any_bytes(case):
         _assert_same_bits(_decompress(message, codec, out_dtype), decoded)
 
 
-def test_the_codec_takes_the_kernels_with_the_torch_codes_bytes_and_checks():
+def test_the_codec_takes_the_kernels_with_the_torch_codes_bytes_and_checks(monkeypatch):
     """``NarrowIntCodec(backend="triton")`` (what "auto" is on CUDA tensors): the torch backend's bytes, into ``out``
     when given (checked), its decoded values in the asked dtype (fp64 through fp32), its check of the first message's
     codes; a backend that does not exist is one line."""
+    from megatron_taco.codec import narrow_int_kernels
+
+    calls = []
+    for name in ("compress_rows", "decompress_rows"):
+        kernel = getattr(narrow_int_kernels, name)
+        monkeypatch.setattr(narrow_int_kernels, name, lambda *a, _k=kernel, _n=name: calls.append(_n) or _k(*a))
     codec, torch_codec = NarrowIntCodec(192, 5, backend="triton"), NarrowIntCodec(192, 5, backend="torch")
     x = _tokens(torch_codec)[:7].to(DEVICE).view(7, 1, 192)
     expected = torch_codec.compress(x.cpu())
+    decoded = torch_codec.decompress(expected, x.shape)
+    assert torch.equal(torch_codec.compress(x), expected.to(DEVICE)) and calls == []  # the torch backend: no kernels
     out = torch.empty(7 * codec.token_bytes, dtype=torch.uint8, device=DEVICE)
     assert codec.compress(x, out=out) is out and torch.equal(out.cpu(), expected)
     assert torch.equal(codec.compress(x).cpu(), expected)
+    assert calls == ["compress_rows", "compress_rows"]
     with pytest.raises(ValueError, match="out must be uint8 of shape"):
         codec.compress(x, out=out[1:])
+    # strided: a message every other byte of a buffer, tokens read through a transpose
+    spaced = torch.zeros(2 * out.numel(), dtype=torch.uint8, device=DEVICE)
+    assert torch.equal(codec.compress(x.view(7, 192).t().contiguous().t(), out=spaced[::2]).cpu(), expected)
+    assert (spaced[1::2] == 0).all()
+    _assert_same_bits(codec.decompress(spaced[::2], x.shape).cpu(), decoded)
     for dtype in (torch.float32, torch.bfloat16, torch.float64):
         _assert_same_bits(codec.decompress(out, x.shape, dtype).cpu(), torch_codec.decompress(expected, x.shape, dtype))
     out[codec.token_bytes - 5 :][:5] = 0  # the last 8 codes of token 0 at -M - 1: not this format's bytes
@@ -191,3 +205,7 @@ def test_the_codec_takes_the_kernels_with_the_torch_codes_bytes_and_checks():
     codec.decompress(out, x.shape, validate=False)  # later messages go unchecked
     with pytest.raises(ValueError, match="backend 'te'; choose auto, torch or triton"):
         NarrowIntCodec(192, 5, backend="te")
+    if DEVICE == "cpu":  # no GPU and no interpreter: one line, not Triton's "0 active drivers"
+        monkeypatch.delenv("TRITON_INTERPRET")
+        with pytest.raises(ValueError, match="backend 'triton' needs CUDA tensors"):
+            codec.compress(x)

@@ -17,12 +17,14 @@ of 5 (benchmarks/results/mapl_loopback.md). A token's r values become one row of
            first code in the lowest bits (little-endian)
 
 Decoding multiplies the codes by their steps and rotates back (H is its own inverse up to G). The gradient goes back
-in the same format. On CUDA tensors fused Triton kernels (``codec.narrow_int_kernels``: the same bytes and values)
-do both; elsewhere the torch operations below.
+in the same format. On CUDA tensors fused Triton kernels (``codec.narrow_int_kernels``) do both, with the bytes and
+values of the torch operations below as they compute on the CPU (on CUDA torch divides by M as a multiply by its
+reciprocal, so the torch code there can differ from them in a step's last bit); elsewhere the torch operations.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 import torch
@@ -55,7 +57,8 @@ class NarrowIntCodec(TokenRowCodec):
 
     def __init__(self, width: int, bits: int, backend: str = "auto") -> None:
         """``backend``: "auto" (the Triton kernels on CUDA tensors, torch otherwise), "torch" or "triton" (also on
-        CPU tensors under TRITON_INTERPRET=1)."""
+        CPU tensors under TRITON_INTERPRET=1). The kernels take fp32 / bf16 / fp16 values; others go through the
+        torch code."""
         if backend not in ("auto", "torch", "triton"):
             raise ValueError(f"narrow-integer wire: backend {backend!r}; choose auto, torch or triton")
         if bits not in (5, 6):
@@ -77,6 +80,8 @@ class NarrowIntCodec(TokenRowCodec):
         """The Triton kernels' module for this tensor, or None for the torch code."""
         if self.backend == "torch" or (self.backend == "auto" and not x.is_cuda):
             return None
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("narrow-integer wire: backend 'triton' needs CUDA tensors (or TRITON_INTERPRET=1)")
         from megatron_taco.codec import narrow_int_kernels  # imports this module's format constants
 
         return narrow_int_kernels
@@ -86,9 +91,13 @@ class NarrowIntCodec(TokenRowCodec):
         tokens = self._tokens(x.numel())
         kernels = self._kernels(x)
         if kernels is not None and x.dtype in (torch.float32, torch.bfloat16, torch.float16):
-            message = self._message_buffer(tokens, out, x.device)
-            kernels.compress_rows(x.detach().reshape(tokens, self.width), message, self.width, self.bits)
-            return message
+            target = self._message_buffer(tokens, out, x.device)
+            rows = x.detach().reshape(tokens, self.width)
+            rows = rows if rows.stride(1) == 1 else rows.contiguous()
+            direct = target.is_contiguous() and target.device == x.device
+            message = target if direct else torch.empty(target.shape, dtype=torch.uint8, device=x.device)
+            kernels.compress_rows(rows, message, self.width, self.bits)
+            return target if direct else target.copy_(message)
         rows = x.detach().reshape(tokens, self.groups, self.group).float()
         finite = torch.isfinite(rows).flatten(1).all(-1)
         y = self._rotate(torch.where(finite[:, None, None], rows, torch.zeros((), device=rows.device)))
@@ -135,7 +144,8 @@ class NarrowIntCodec(TokenRowCodec):
         self, buf: torch.Tensor, shape: Sequence[int], dtype: torch.dtype = torch.float32, validate: bool = True
     ) -> torch.Tensor:
         """One message -> [shape] in ``dtype``; ``validate``: check the codes lie in [-M, M] (the one unused
-        pattern, -M - 1, means the bytes are not this format's)."""
+        pattern, -M - 1, means the bytes are not this format's), by the torch code's unpacking even where the
+        kernels decode: MAPL's wire checks its first message only."""
         rows = self._rows(buf, shape)
         tokens = rows.shape[0]
         kernels = self._kernels(buf)
@@ -146,7 +156,7 @@ class NarrowIntCodec(TokenRowCodec):
         if kernels is not None:
             direct = dtype in (torch.float32, torch.bfloat16, torch.float16)
             out = torch.empty(tokens, self.width, dtype=dtype if direct else torch.float32, device=buf.device)
-            kernels.decompress_rows(buf.reshape(-1), out, self.width, self.bits)
+            kernels.decompress_rows(buf.reshape(-1).contiguous(), out, self.width, self.bits)
             return out.view(*shape).to(dtype)
         top = rows[:, :1].to(torch.int32) - 127
         scale_bytes = rows[:, 1 : 1 + self.groups].to(torch.int32)

@@ -19,6 +19,7 @@ there the output is first rounded to the target's grid (``kernels._round_to_grid
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -225,6 +226,11 @@ def _launch(width: int, bits: int, tokens_p2: int, on_gpu: bool) -> dict:
     )
 
 
+def _on(device: torch.device):
+    """Launches on ``device``'s GPU (not the current one), or nothing to do on the CPU."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
 def _tokens_p2(tokens: int) -> int:
     """``tokens`` rounded up to a power of two."""
     return 1 << max(0, tokens - 1).bit_length()
@@ -236,12 +242,17 @@ def compress_rows(x: torch.Tensor, out: torch.Tensor, width: int, bits: int) -> 
     tokens = x.shape[0]
     if x.shape[1:] != (width,) or x.stride(1) != 1:
         raise ValueError(f"compress_rows: x must be [tokens, {width}] with unit column stride, got {tuple(x.shape)}")
-    if out.dtype != torch.uint8 or out.shape != (tokens * _codec(width, bits).token_bytes,):
-        raise ValueError(f"compress_rows: out must be uint8 [tokens * token_bytes], got {out.dtype} {tuple(out.shape)}")
+    if out.dtype != torch.uint8 or out.shape != (tokens * _codec(width, bits).token_bytes,) or out.stride() != (1,):
+        raise ValueError(
+            f"compress_rows: out must be contiguous uint8 [tokens * token_bytes], got {out.dtype} {tuple(out.shape)}"
+        )
+    if out.device != x.device:
+        raise ValueError(f"compress_rows: out is on {out.device}, x on {x.device}")
     if tokens == 0:
         return
     constants = _launch(width, bits, _tokens_p2(tokens), x.is_cuda)
-    _compress_kernel[(_cdiv(tokens, constants["BLOCK_T"]),)](x, out, tokens, x.stride(0), **constants)
+    with _on(x.device):
+        _compress_kernel[(_cdiv(tokens, constants["BLOCK_T"]),)](x, out, tokens, x.stride(0), **constants)
 
 
 def decompress_rows(buf: torch.Tensor, out: torch.Tensor, width: int, bits: int) -> None:
@@ -251,19 +262,22 @@ def decompress_rows(buf: torch.Tensor, out: torch.Tensor, width: int, bits: int)
     tokens = out.shape[0]
     if out.shape[1:] != (width,) or out.stride(1) != 1 or out.dtype not in _OUTPUT_GRIDS:
         raise ValueError(f"decompress_rows: out must be [tokens, {width}] fp32, bf16 or fp16 with unit column stride")
-    if buf.dtype != torch.uint8 or buf.shape != (tokens * _codec(width, bits).token_bytes,):
+    if buf.dtype != torch.uint8 or buf.shape != (tokens * _codec(width, bits).token_bytes,) or buf.stride() != (1,):
         raise ValueError(
-            f"decompress_rows: buf must be uint8 [tokens * token_bytes], got {buf.dtype} {tuple(buf.shape)}"
+            f"decompress_rows: buf must be contiguous uint8 [tokens * token_bytes], got {buf.dtype} {tuple(buf.shape)}"
         )
+    if out.device != buf.device:
+        raise ValueError(f"decompress_rows: out is on {out.device}, buf on {buf.device}")
     if tokens == 0:
         return
     constants = _launch(width, bits, _tokens_p2(tokens), buf.is_cuda)
-    _decompress_kernel[(_cdiv(tokens, constants["BLOCK_T"]),)](
-        buf,
-        out,
-        tokens,
-        out.stride(0),
-        HW_ROUNDING=buf.is_cuda,
-        **_grid_constants(*_OUTPUT_GRIDS[out.dtype], prefix="OUT_"),
-        **constants,
-    )
+    with _on(buf.device):
+        _decompress_kernel[(_cdiv(tokens, constants["BLOCK_T"]),)](
+            buf,
+            out,
+            tokens,
+            out.stride(0),
+            HW_ROUNDING=buf.is_cuda,
+            **_grid_constants(*_OUTPUT_GRIDS[out.dtype], prefix="OUT_"),
+            **constants,
+        )
