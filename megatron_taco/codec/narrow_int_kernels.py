@@ -236,18 +236,26 @@ def _tokens_p2(tokens: int) -> int:
     return 1 << max(0, tokens - 1).bit_length()
 
 
+def _tokens_checked(function: str, values: torch.Tensor, message: torch.Tensor, width: int, bits: int) -> int:
+    """The token count, after checking what the kernels address: ``values`` [tokens, width] with unit column stride
+    and ``message`` contiguous uint8 [tokens * token_bytes], on one device."""
+    tokens = values.shape[0]
+    if values.shape[1:] != (width,) or values.stride(1) != 1:
+        raise ValueError(f"{function}: values must be [tokens, {width}], unit column stride; got {tuple(values.shape)}")
+    nbytes = tokens * _codec(width, bits).token_bytes
+    if message.dtype != torch.uint8 or message.shape != (nbytes,) or message.stride() != (1,):
+        raise ValueError(
+            f"{function}: the message must be contiguous uint8 [{nbytes}]; got {message.dtype} {tuple(message.shape)}"
+        )
+    if message.device != values.device:
+        raise ValueError(f"{function}: the message is on {message.device}, the values on {values.device}")
+    return tokens
+
+
 def compress_rows(x: torch.Tensor, out: torch.Tensor, width: int, bits: int) -> None:
     """``out`` (uint8 [tokens * token_bytes]) <- the message of the tokens ``x`` [tokens, width] (fp32, bf16 or
     fp16, unit column stride): the bytes ``NarrowIntCodec(width, bits).compress(x)`` returns."""
-    tokens = x.shape[0]
-    if x.shape[1:] != (width,) or x.stride(1) != 1:
-        raise ValueError(f"compress_rows: x must be [tokens, {width}] with unit column stride, got {tuple(x.shape)}")
-    if out.dtype != torch.uint8 or out.shape != (tokens * _codec(width, bits).token_bytes,) or out.stride() != (1,):
-        raise ValueError(
-            f"compress_rows: out must be contiguous uint8 [tokens * token_bytes], got {out.dtype} {tuple(out.shape)}"
-        )
-    if out.device != x.device:
-        raise ValueError(f"compress_rows: out is on {out.device}, x on {x.device}")
+    tokens = _tokens_checked("compress_rows", x, out, width, bits)
     if tokens == 0:
         return
     constants = _launch(width, bits, _tokens_p2(tokens), x.is_cuda)
@@ -259,15 +267,9 @@ def decompress_rows(buf: torch.Tensor, out: torch.Tensor, width: int, bits: int)
     """``out`` [tokens, width] (fp32, bf16 or fp16, unit column stride) <- the tokens of the message ``buf`` (uint8
     [tokens * token_bytes]): ``NarrowIntCodec(width, bits).decompress(buf, out.shape, out.dtype, validate=False)``.
     The codes are not checked (the torch path checks the first message)."""
-    tokens = out.shape[0]
-    if out.shape[1:] != (width,) or out.stride(1) != 1 or out.dtype not in _OUTPUT_GRIDS:
-        raise ValueError(f"decompress_rows: out must be [tokens, {width}] fp32, bf16 or fp16 with unit column stride")
-    if buf.dtype != torch.uint8 or buf.shape != (tokens * _codec(width, bits).token_bytes,) or buf.stride() != (1,):
-        raise ValueError(
-            f"decompress_rows: buf must be contiguous uint8 [tokens * token_bytes], got {buf.dtype} {tuple(buf.shape)}"
-        )
-    if out.device != buf.device:
-        raise ValueError(f"decompress_rows: out is on {out.device}, buf on {buf.device}")
+    if out.dtype not in _OUTPUT_GRIDS:
+        raise ValueError(f"decompress_rows: out must be fp32, bf16 or fp16, got {out.dtype}")
+    tokens = _tokens_checked("decompress_rows", out, buf, width, bits)
     if tokens == 0:
         return
     constants = _launch(width, bits, _tokens_p2(tokens), buf.is_cuda)
