@@ -6,8 +6,9 @@ For each hidden size d and ``--mapl-ratio``, the wire ranks come from ``MaplConf
 INT5: the largest multiple of 16 within the same bytes), z is [tokens, r] bf16 with heavy tails (Student-t, 3
 degrees of freedom), and the time is the median of 20 CUDA-event timings of what ``CodecWireCommunicator`` does on
 each side (``compress`` into the message, ``decompress`` back to bf16 with the header checked once, as after the
-first message), after 5 warm-ups. A bf16 copy of h ([tokens, d]) is timed beside them as the scale of a memory-bound
-pass. ``int5-torch`` is the INT5 wire's torch code (``backend="torch"``), the path before its Triton kernels.
+first message), after 5 warm-ups. A bf16 copy of h ([tokens, d]) is timed beside them as the scale of a
+memory-bound pass. ``int5-torch`` is the INT5 wire's torch code (``backend="torch"``), the path before its Triton
+kernels; the INT5 wire's message is also compared with the torch code's on the CPU (the same bytes, or a bug).
 Answers: what does the INT5 wire cost per message against the FP8 wire, and what did its kernels buy?
 """
 
@@ -54,6 +55,10 @@ def time_wire(hidden: int, ratio: float, wire: str, tokens: int) -> dict:
     z = torch.distributions.StudentT(3.0).sample((tokens, rank)).to("cuda", torch.bfloat16)
     message = torch.empty(codec.compressed_nbytes(z.numel()), dtype=torch.uint8, device="cuda")
     codec.compress(z, out=message)
+    # the kernels' bytes against the torch code's on the CPU (IEEE division; tests/test_narrow_int_kernels.py)
+    same_as_cpu = (
+        torch.equal(message.cpu(), NarrowIntCodec(rank, INT5_BITS).compress(z.cpu())) if wire == "int5" else None
+    )
     codec.decompress(message, z.shape, torch.bfloat16, validate=True)  # the first message's check, once
     encode = _median_ms(lambda: codec.compress(z, out=message))
     decode = _median_ms(lambda: codec.decompress(message, z.shape, torch.bfloat16, validate=False))
@@ -69,6 +74,7 @@ def time_wire(hidden: int, ratio: float, wire: str, tokens: int) -> dict:
         "encode_ms": round(encode, 3),
         "decode_ms": round(decode, 3),
         "bf16_copy_of_h_ms": round(copy, 3),
+        "bytes_equal_cpu_torch": same_as_cpu,
     }
 
 
@@ -85,10 +91,13 @@ def main() -> None:
         for ratio in args.ratios.split(",")
         for wire in WIRES
     ]
-    print("| d | ratio | wire | r | message MiB | encode ms | decode ms | bf16 copy of h ms |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(
+        "| d | ratio | wire | r | message MiB | encode ms | decode ms | bf16 copy of h ms | bytes = CPU torch code's |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
     for row in rows:
-        print("| " + " | ".join(str(value) for key, value in row.items() if key != "tokens") + " |", flush=True)
+        cells = ("-" if value is None else str(value) for key, value in row.items() if key != "tokens")
+        print("| " + " | ".join(cells) + " |", flush=True)
     if args.json:
         meta = {
             "command": "python -m benchmarks.mapl_codec_time "
