@@ -6,21 +6,14 @@ values; the reference is held to a float64 model (every decode is the nearest in
 on realistic traffic the error is several times below FP8's at the same bytes, without a sign preference.
 """
 
-import os
-
 import pytest
 import torch
 
 from megatron_taco.codec import TacoCodec, reference
 from megatron_taco.codec.format import ELEMENT_FORMATS
-from megatron_taco.testing.tensors import DISTRIBUTIONS, messages_with_hard_cases
+from megatron_taco.testing.tensors import DISTRIBUTIONS, kernel_device, messages_with_hard_cases
 
-if torch.cuda.is_available():
-    DEVICE = "cuda"
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    DEVICE = "cpu"
-else:
-    DEVICE = None
+DEVICE = kernel_device()
 needs_kernels = pytest.mark.skipif(DEVICE is None, reason="needs CUDA or TRITON_INTERPRET=1 to run Triton kernels")
 
 SETTINGS = [  # (transform, scales, group size)

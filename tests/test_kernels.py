@@ -5,7 +5,6 @@ on a CUDA machine the same tests run the compiled kernels on the GPU.
 """
 
 import itertools
-import os
 import zlib
 
 import pytest
@@ -14,13 +13,10 @@ import torch
 from megatron_taco.codec import TacoCodec, kernels, reference
 from megatron_taco.codec.format import CodecSettings
 from megatron_taco.testing import float64 as f64
-from megatron_taco.testing.tensors import DISTRIBUTIONS, messages_with_hard_cases, near_underflow_groups
+from megatron_taco.testing.tensors import DISTRIBUTIONS, kernel_device, messages_with_hard_cases, near_underflow_groups
 
-if torch.cuda.is_available():
-    DEVICE = "cuda"
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    DEVICE = "cpu"
-else:
+DEVICE = kernel_device()
+if DEVICE is None:
     pytest.skip("needs CUDA or TRITON_INTERPRET=1 to run Triton kernels", allow_module_level=True)
 
 SETTINGS = [

@@ -6,20 +6,15 @@ run the compiled kernels on the GPU. The torch code runs on the CPU (IEEE divisi
 Python number as a multiply by its reciprocal).
 """
 
-import os
-
 import pytest
 import torch
 
 from megatron_taco.codec.narrow_int import NarrowIntCodec
 from megatron_taco.codec.narrow_int_kernels import compress_rows, decompress_rows
-from megatron_taco.testing.tensors import student_t
+from megatron_taco.testing.tensors import kernel_device, student_t
 
-if torch.cuda.is_available():
-    DEVICE = "cuda"
-elif os.environ.get("TRITON_INTERPRET") == "1":
-    DEVICE = "cpu"
-else:
+DEVICE = kernel_device()
+if DEVICE is None:
     pytest.skip("needs CUDA or TRITON_INTERPRET=1 to run Triton kernels", allow_module_level=True)
 
 # group 16 (16, 48: 3 groups), group 32 (96, 192: 6 groups, 288: 9 groups, 512)

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Callable, Dict
+import os
+from typing import Callable, Dict, Optional
 
 import torch
 
-__all__ = ["gaussian", "DISTRIBUTIONS", "near_underflow_groups", "messages_with_hard_cases"]
+__all__ = ["kernel_device", "gaussian", "DISTRIBUTIONS", "near_underflow_groups", "messages_with_hard_cases"]
+
+
+def kernel_device() -> Optional[str]:
+    """Where the Triton kernels' tests put their tensors: "cuda" (compiled), "cpu" under Triton's interpreter
+    (TRITON_INTERPRET=1, as tests/conftest.py sets), else None (they cannot run)."""
+    if torch.cuda.is_available():
+        return "cuda"
+    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
 
 
 def gaussian(shape, gen: torch.Generator) -> torch.Tensor:
