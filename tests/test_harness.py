@@ -3,6 +3,7 @@
 import os
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -62,6 +63,23 @@ def test_ranks_are_forked_while_the_parent_runs_no_store_thread():
         _recording_forks = False
     assert [r[2] for r in results] == [10.0] * 4
     assert _threads_at_fork == [threads_before] * 4
+
+
+def test_runs_side_by_side_in_threads_spawn_their_ranks(monkeypatch):
+    # A rank forked while another run's thread built its TCPStore hung in TCPStore's constructor (mapl_loopback
+    # --parallel 2 on CPU): with other Python threads alive, the ranks must be spawned, never forked.
+    global _recording_forks
+    monkeypatch.delenv("TACO_TEST_START_METHOD", raising=False)
+    _threads_at_fork.clear()
+    _recording_forks = True
+    try:
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            runs = [pool.submit(run_distributed, _rank_sum, 2, timeout=120) for _ in range(2)]
+            results = [run.result() for run in runs]
+    finally:
+        _recording_forks = False
+    assert [[r[2] for r in result] for result in results] == [[3.0, 3.0], [3.0, 3.0]]
+    assert _threads_at_fork == []  # no fork
 
 
 def _fail_on_rank_one():

@@ -18,6 +18,7 @@ import os
 import pickle
 import queue
 import socket
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -92,6 +93,14 @@ def _rank_main(
                 pass
 
 
+def _start_method() -> str:
+    """``TACO_TEST_START_METHOD`` if set; else ``fork`` (it skips the per-rank import of torch and megatron-core)
+    while this process has one Python thread, and ``spawn`` beside others (runs side by side in a thread pool): a
+    fork copies the locks other threads hold, and a rank forked while another run's thread was building its
+    TCPStore hung in TCPStore's constructor (``mapl_loopback --parallel 2`` on CPU, 2026-12-07)."""
+    return os.environ.get("TACO_TEST_START_METHOD") or ("fork" if threading.active_count() == 1 else "spawn")
+
+
 def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
@@ -104,12 +113,11 @@ def run_distributed(
     """Call ``fn(*args, **kwargs)`` on ``world_size`` ranks; return the per-rank results.
 
     ``fn`` must be a module-level function (it is pickled under the spawn start
-    method). The start method is ``fork`` unless ``TACO_TEST_START_METHOD`` says
-    otherwise: forking skips the per-rank import of torch and megatron-core.
+    method). The start method: ``_start_method``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    ctx = mp.get_context(os.environ.get("TACO_TEST_START_METHOD", "fork"))
+    ctx = mp.get_context(_start_method())
     results: "mp.Queue" = ctx.Queue()
     ports: "mp.SimpleQueue" = ctx.SimpleQueue()  # no feeder thread: put() writes before returning
     child_env = {"OMP_NUM_THREADS": "1", **(env or {})}
