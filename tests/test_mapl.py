@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 import torch
 
-from megatron_taco.config.mapl import MaplConfig, MaplConfigError, add_mapl_args, mapl_config_from_args
+from megatron_taco.config.mapl import MaplConfig, MaplConfigError, add_mapl_args, auto_wire, mapl_config_from_args
 from megatron_taco.codec.narrow_int import NarrowIntCodec
 from megatron_taco.mapl.wire import describe_compression, fp8_wire_codec
 from megatron_taco.mapl.boundary import BoundaryCodec
@@ -103,6 +103,33 @@ def _train(mapl, steps, tp=1, pp=2, sp=False, count_p2p=False):
         shapes=shapes,
         in_optimizer=in_optimizer,
     )
+
+
+def test_auto_wire_takes_the_wire_of_most_rank_within_the_ratio_and_the_finer_one_on_a_tie():
+    """--mapl-wire auto for bf16 training: the loss follows the rank (mapl_loopback.md), so the wire that keeps the
+    most rank within --mapl-ratio's bytes per token; on a tie the one of more bits per value (INT5 at 32x of hidden
+    512 keeps 32, as FP8 does; at 1x INT5 would keep all 512 values as bf16 does)."""
+    chosen = {ratio: auto_wire(ratio, 0, 512, 2, True) for ratio in (1, 2, 4, 8, 16, 32)}
+    assert {ratio: wire for ratio, (wire, _) in chosen.items()} == {
+        1: "bf16",
+        2: "fp8",
+        4: "int5",
+        8: "int5",
+        16: "int5",
+        32: "fp8",
+    }
+    assert chosen[8][1] == "the most rank within the ratio's bytes per token: 192 (BF16 64, FP8 128)"
+    assert chosen[32][1] == "the most rank within the ratio's bytes per token: 32 (BF16 16, INT5 32)"
+    for ratio, (wire, _) in chosen.items():  # each choice is a valid setting of that rank
+        assert (
+            MaplConfig(ratio=ratio, wire=wire).wire_rank(512) == {1: 512, 2: 512, 4: 384, 8: 192, 16: 96, 32: 32}[ratio]
+        )
+    assert auto_wire(3, 0, 100, 2, True) == ("int5", "the most rank within the ratio's bytes per token: 96")
+    assert auto_wire(128, 0, 64, 2, True) == (
+        "bf16",
+        "no wire keeps a whole rank of hidden size 64 at --mapl-ratio 128",
+    )
+    assert auto_wire(8, 0, 512, 4, True)[0] == auto_wire(8, 1, 512, 2, True)[0] == "bf16"
 
 
 def test_wire_carries_r_wide_tensors_forward_and_backward():

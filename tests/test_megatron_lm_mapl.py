@@ -462,10 +462,11 @@ def test_mapl_widths_are_checked_against_megatron_lms_interleaved_chunks_at_pars
         megatron_lm._STATE["cfg"] = None
 
 
-def test_the_default_wire_is_fp8_where_it_applies_and_says_why_not_elsewhere():
-    """--mapl-wire auto (the default): a --mapl-ratio run with a 2-byte pipeline dtype gets the FP8 wire at twice
-    the rank (measured better at the same bytes, mapl_loopback.md); every other run keeps bf16 and the reason is
-    in the start-up line; a wire given on the command line is taken as given."""
+def test_the_default_wire_is_the_one_of_most_rank_and_says_why():
+    """--mapl-wire auto (the default): a --mapl-ratio run with a 2-byte pipeline dtype gets the wire that keeps the
+    most rank within the ratio's bytes (the loss follows the rank, mapl_loopback.md): INT5 at hidden 512 and 8x
+    (192 against FP8's 128), FP8 where INT5 keeps no more (hidden 64: 16 each); every other run keeps bf16 and the
+    reason is in the start-up line; a wire given on the command line is taken as given."""
     import argparse
 
     from megatron_taco.config.mapl import add_mapl_args
@@ -477,21 +478,26 @@ def test_the_default_wire_is_fp8_where_it_applies_and_says_why_not_elsewhere():
         megatron.update(tensor_model_parallel_size=1, world_size=2)
         megatron.update({"bf16": True, **given})
         cfg = megatron_lm.configure(argparse.Namespace(**vars(args), **megatron))
-        return cfg.wire, cfg.wire_rank(64), cfg.wire_choice
+        return cfg.wire, cfg.wire_rank(megatron["hidden_size"] or 64), cfg.wire_choice
 
     try:
-        wire, rank, why = configure("--mapl-ratio", "8")
-        assert (wire, rank) == (
+        assert configure("--mapl-ratio", "8") == (
             "fp8",
             16,
-        ) and why == "--mapl-wire auto: fp8, twice the rank (16) at the same bytes per token"
+            "--mapl-wire auto: fp8, the most rank within the ratio's bytes per token: 16 (BF16 8, INT5 16)",
+        )
+        assert configure("--mapl-ratio", "8", hidden_size=512) == (
+            "int5",
+            192,
+            "--mapl-wire auto: int5, the most rank within the ratio's bytes per token: 192 (BF16 64, FP8 128)",
+        )
         assert configure("--mapl-ratio", "8", bf16=False, fp16=True)[0] == "fp8"
         kept = {
             "2-byte pipeline dtype, not 4-byte": configure("--mapl-ratio", "8", bf16=False),
             "--mapl-rank / --mapl-ranks set the width": configure("--mapl-rank", "8"),
             "--mapl-vq-levels sends code indices": configure("--mapl-ratio", "8", "--mapl-vq-levels", "1"),
-            "rank 2 x 64 / 1 = 128 is not a multiple of 16 up to the hidden size": configure("--mapl-ratio", "1"),
-            "rank 2 x 64 / 16 = 8 is not a multiple of 16": configure("--mapl-ratio", "16"),
+            "the most rank within the ratio's bytes per token: 64 (INT5 64)": configure("--mapl-ratio", "1"),
+            "the most rank within the ratio's bytes per token: 4": configure("--mapl-ratio", "16"),
             "virtual pipeline stages overlap their P2P": configure(
                 "--mapl-ratio", "8", num_layers_per_virtual_pipeline_stage=1, overlap_p2p_comm=True
             ),
@@ -558,8 +564,8 @@ def test_a_checkpoint_of_other_mapl_widths_stops_the_load_with_one_line(tmp_path
     assert [code for code, _ in old] == [2, 2]
     assert old[0][1] == (
         f"error: --load {tmp_path / 'old'}: its MAPL boundaries were saved with --mapl-ratio 4 --mapl-wire bf16, this "
-        "run has --mapl-ratio 4 --mapl-wire fp8 (--mapl-wire auto: fp8, twice the rank (16) at the same bytes per "
-        "token); resume with the flags it was saved with\n"
+        "run has --mapl-ratio 4 --mapl-wire fp8 (--mapl-wire auto: fp8, the most rank within the ratio's bytes per "
+        "token: 16 (BF16 8, INT5 16)); resume with the flags it was saved with\n"
     )
     assert old[1][1] == ""  # one line, on rank 0
     assert [code for code, _ in new] == [None, None]

@@ -196,7 +196,7 @@ def test_mapl_pp2_lines_and_summary_count_the_boundary_traffic():
     )[0]
     assert len(losses) == 4
     assert re.search(rf"^MAPL: 1 boundary, hidden {D} -> \[{R}\] \(4x\), ", out, re.M), out[:3000]
-    assert "; --mapl-wire auto: bf16, the FP8 wire keeps --mapl-ratio's bytes for a 2-byte pipeline dtype" in out
+    assert "; --mapl-wire auto: bf16, the codec wires keep --mapl-ratio's bytes for a 2-byte pipeline dtype" in out
     steps = _check_steps_line(out, 1, 4, 4)
     validation = float(_one(r"^validation at step 4 \| loss ([\d.]+)$", out))
     assert _one(r"^run summary: final loss ([\d.]+) \(step 4\); final validation loss ([\d.]+) \(step 4\)$", out) == (

@@ -232,13 +232,14 @@ def add_mapl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--mapl-wire",
         choices=("auto", *WIRES),
         default="auto",
-        help="what z travels as: auto (default) = fp8 with --mapl-ratio wherever it applies, else bf16 (the "
-        "start-up line says which and why); bf16 = the pipeline dtype; fp8 = TACO's FP8 codec forward and backward "
+        help="what z travels as: auto (default) = with --mapl-ratio and a 2-byte pipeline dtype, the wire of most "
+        "rank within the ratio's bytes (hidden 512: int5 at 4x-16x, fp8 at 2x and 32x), else bf16 "
+        "(the start-up line says which and why); bf16 = the pipeline dtype; fp8 = TACO's FP8 codec forward and backward "
         "(Hadamard, a scale byte per group of up to 128 values; r a multiple of 16) at twice the rank, so "
         "--mapl-ratio keeps its bytes for a 2-byte pipeline dtype; int5 = 5-bit integers forward and backward "
         "(Hadamard, a scale byte per group of 32) at the largest rank, a multiple of 16, within --mapl-ratio's "
         "bytes (2d / ratio per token, as for d values in bf16, whatever the pipeline dtype; 1.5x the FP8 wire's "
-        "rank; a lead, not the default yet); topk = U square, and each token sends only its "
+        "rank); topk = U square, and each token sends only its "
         "k largest values of z in FP8 with their positions (both ways), k the most that keep --mapl-ratio in bytes",
     )
     group.add_argument("--mapl-anchor-rank", type=int, default=64, help="rank k of the token anchors E[t] B (0: none)")
@@ -307,9 +308,11 @@ def auto_wire(
     element_size: Optional[int],
     decode_on_arrival: bool,
 ) -> Tuple[str, str]:
-    """``--mapl-wire auto``: (wire, why). The FP8 wire where it applies: at the same bytes per token it keeps twice
-    the rank, and the loss follows the rank (GPU, 5 seeds, against equal parameters: 8x +3.14% vs +4.51% with bf16,
-    16x +4.52% vs +6.45%, 32x +6.86% vs +9.60%; benchmarks/results/mapl_loopback.md). Else bf16, and why."""
+    """``--mapl-wire auto``: (wire, why). Of the wires that keep ``--mapl-ratio``'s bytes per token, the one of most
+    rank (ties: the finer one), as the loss follows the rank (benchmarks/results/mapl_loopback.md, GPU, 1500 steps,
+    5 seeds, against equal parameters): INT5 at 1.5x the FP8 wire's rank (8x +1.95%, 16x +3.11%), FP8 at twice the
+    bf16 wire's (8x +2.47%, 16x +4.01%, 32x +6.04%; bf16 at 1000 steps: 8x +4.51%). bf16 where no codec wire
+    applies, and why."""
     if ratio is None:
         return "bf16", "--mapl-rank / --mapl-ranks set the width of z in the pipeline dtype"
     if vq_levels:
@@ -317,16 +320,26 @@ def auto_wire(
     if hidden_size is None or element_size is None:
         return "bf16", "the hidden size or pipeline dtype is not known before the model is built"
     if element_size != 2:
-        return "bf16", f"the FP8 wire keeps --mapl-ratio's bytes for a 2-byte pipeline dtype, not {element_size}-byte"
+        return "bf16", f"the codec wires keep --mapl-ratio's bytes for a 2-byte pipeline dtype, not {element_size}-byte"
     if not decode_on_arrival:
-        return "bf16", "virtual pipeline stages overlap their P2P (--no-overlap-p2p-communication lets fp8 apply)"
-    r = WIRES["fp8"] * hidden_size / ratio
-    if r != int(r) or r % WIRE_GROUP or r > hidden_size:
-        return "bf16", (
-            f"the FP8 wire's rank {WIRES['fp8']} x {hidden_size} / {ratio:g} = {r:g} is not a multiple of "
-            f"{WIRE_GROUP} up to the hidden size"
+        return (
+            "bf16",
+            "virtual pipeline stages overlap their P2P (--no-overlap-p2p-communication lets fp8 / int5 apply)",
         )
-    return "fp8", f"twice the rank ({int(r)}) at the same bytes per token"
+    ranks = {}  # wire: the rank it keeps within the ratio's bytes, where it applies
+    for wire in ("bf16", "fp8"):
+        r = WIRES[wire] * hidden_size / ratio
+        if r == int(r) and 1 <= r <= hidden_size and (wire == "bf16" or r % WIRE_GROUP == 0):
+            ranks[wire] = int(r)
+    int5_rank = min(narrow_int_rank(2 * hidden_size / ratio, INT5_BITS), hidden_size - hidden_size % WIRE_GROUP)
+    if int5_rank >= WIRE_GROUP:
+        ranks["int5"] = int5_rank
+    if not ranks:
+        return "bf16", f"no wire keeps a whole rank of hidden size {hidden_size} at --mapl-ratio {ratio:g}"
+    finer = ("int5", "fp8", "bf16")  # on equal rank, the wire of more bits per value
+    best = max(ranks, key=lambda wire: (ranks[wire], finer.index(wire)))
+    others = ", ".join(f"{wire.upper()} {rank}" for wire, rank in ranks.items() if wire != best)
+    return best, f"the most rank within the ratio's bytes per token: {ranks[best]}" + (others and f" ({others})")
 
 
 def mapl_config_from_args(
