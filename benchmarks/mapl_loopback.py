@@ -50,7 +50,7 @@ import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -433,6 +433,22 @@ def _vocabulary_words(vocab_size: int) -> str:
     return f"BPE vocabulary of {vocab_size} tokens (tokenizers, trained on the training split)"
 
 
+def _invocations(results: dict, variants: List[str]) -> List[str]:
+    """Where the json holds runs of several invocations (it is resumed and extended): one line per commit, date and
+    hardware naming its runs, as the header's line names only the last invocation's."""
+    groups: Dict[str, List[str]] = {}
+    for variant in variants:
+        for key in sorted(k for k in results["runs"] if k.startswith(f"{variant} | ")):
+            run = results["runs"][key]
+            where = f"commit {run.get('commit')}, {run.get('date')}, {run.get('hardware', 'hardware not recorded')}"
+            groups.setdefault(where, []).append(key)
+    if len(groups) < 2:
+        return []
+    return ["- Runs of more than one invocation:"] + [
+        f"  - {where}: {', '.join(keys)}" for where, keys in groups.items()
+    ]
+
+
 def report(args, results: dict) -> List[str]:
     runs = results["runs"]
     variants = args.variants.split(";")
@@ -455,6 +471,7 @@ def report(args, results: dict) -> List[str]:
         "- An exploration tool: the headline rows of the MAPL issue need PP=2 on GPUs."
         if args.pipeline_parallel == 1
         else "- Real PP=2: megatron-core's pipeline schedule, MAPL's r-wide P2P and MaplSync across the pair.",
+        *_invocations(results, variants),
         "",
         f"| variant | parameters | seeds | validation loss, mean (sd) | vs {base}: mean difference | 95% interval "
         "| U moved from its start |",

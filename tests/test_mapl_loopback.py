@@ -273,3 +273,33 @@ def test_the_confirmation_model_is_gpt_125m_layers_and_never_mixes_with_the_firs
     flags = ["--variants", "none", "--seeds", "1", "--steps", "2", "--warmup", "1", "--json", str(path)]
     with pytest.raises(SystemExit, match="holds runs of another set-up"):
         main(flags + ["--model", "gpt-125m"])
+
+
+def test_a_report_of_runs_from_several_invocations_names_each_ones_commit_date_and_hardware():
+    """A resumed json holds runs of other days, commits and GPUs, while its header keeps the last invocation's: the
+    report names each run's (runs saved before runs recorded their hardware say so); one invocation, no
+    such lines."""
+    import types
+
+    from benchmarks.mapl_loopback import report
+
+    def run(valid, **where):
+        return dict(valid=valid, parameters=100, **where)
+
+    old = dict(commit="1982a8a", date="2026-12-03")
+    new = dict(commit="9910965", date="2026-12-07", hardware="NVIDIA H100 80GB HBM3")
+    results = {
+        "commit": "9910965", "date": "2026-12-07", "hardware": "NVIDIA H100 80GB HBM3",
+        "runs": {"tables | seed 0": run(3.0, **old), "8x+int5 | seed 0": run(3.1, **new)},
+    }  # fmt: skip
+    args = types.SimpleNamespace(
+        variants="tables;8x+int5", model="gpt-125m", pipeline_parallel=1, argv=[], steps=10, lr=1e-3, warmup=1,
+        eval_iters=1, vocab_size=8192,
+    )  # fmt: skip
+    lines = report(args, results)
+    assert lines[lines.index("- Runs of more than one invocation:") + 1 :][:2] == [
+        "  - commit 1982a8a, 2026-12-03, hardware not recorded: tables | seed 0",
+        "  - commit 9910965, 2026-12-07, NVIDIA H100 80GB HBM3: 8x+int5 | seed 0",
+    ]
+    results["runs"]["tables | seed 0"] = run(3.0, **new)
+    assert not any(line.startswith("- Runs of more than one") for line in report(args, results))
