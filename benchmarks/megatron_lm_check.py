@@ -168,7 +168,7 @@ class Row:
         "none"  # none | 1 (--mapl-ratio 1: lossless, checks the plumbing) | 8 | 8-vq (--mapl-vq-levels 2) | 8-fixed
         # | 8-topk (--mapl-wire topk) | 8-fp8 (--mapl-wire fp8) | 8-int5 (--mapl-wire int5) | 8-bf16 (--mapl-wire bf16);
         # "8" takes the default wire (auto: with --bf16 the wire of most rank, int5 at hidden 2048; rows of "8" ran
-        # fp8 from 2026-12-06 until auto chose int5 (the commit after 50a3bfe), bf16 before)
+        # fp8 from 2026-12-06 until auto chose int5 (9910965, 2026-12-07), bf16 before)
     )
 
     def __post_init__(self) -> None:
