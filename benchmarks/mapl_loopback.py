@@ -30,7 +30,9 @@ E4M3 scales per 32 values, TACO's NVFP4-style layout: rank 224 at 8x within the 
 ``+topk`` (``--mapl-wire topk``: U square, each token sends its k largest coordinates in FP8 and which they are,
 k the most that keeps ratio R; dL/dz returns at the same k),
 ``+anchorsK`` (anchor rank K), ``+ulrF`` (U's manifold learning rate F, ``--mapl-lr``), ``+uadamF`` (U trained by
-Riemannian Adam at learning rate F, ``mapl.stiefel.StiefelAdam``, instead of momentum SGD: a lead of the MAPL issue).
+Riemannian Adam at learning rate F, ``mapl.stiefel.StiefelAdam``, instead of momentum SGD: a lead of the MAPL issue),
+``+fp32`` (the boundary's products with U and B in fp32, as every run before 2026-12-07 computed them; since then
+they run in the hidden states' dtype, ``BoundaryCodec``).
 Results are resumable (``--json``); the report gives each variant's mean validation
 loss and the paired 95% interval of its difference to the first variant over the seeds.
 
@@ -158,7 +160,9 @@ class Variant:
     the rank that keeps the bytes per token of ratio R (r = 2d / R for FP8, 4d / R for INT4; the scale bytes
     make the real ratio a little lower: ``wire_ratio``); "int6" / "int5": ``NarrowIntCodec`` at the largest rank,
     a multiple of 16, within 2d / R bytes per token. ``anchor_rank``: the anchors' k; ``u_lr``: U's manifold
-    learning rate (``--mapl-lr``); ``u_adam_lr``: U by Riemannian Adam at this learning rate; None: the defaults."""
+    learning rate (``--mapl-lr``); ``u_adam_lr``: U by Riemannian Adam at this learning rate; None: the defaults.
+    ``fp32_products``: the boundary multiplies by U and B in fp32 (``BoundaryCodec``; every run before 2026-12-07's
+    bf16 products)."""
 
     mode: str
     ratio: float = 1.0
@@ -166,6 +170,7 @@ class Variant:
     anchor_rank: Optional[int] = None
     u_lr: Optional[float] = None
     u_adam_lr: Optional[float] = None
+    fp32_products: bool = False
 
     def rank(self, hidden_size: int) -> int:
         if self.wire == "topk":  # every coordinate is a candidate: U is square
@@ -223,7 +228,8 @@ class Variant:
 def _parse(variant: str) -> Variant:
     """'none', 'tables' (option '+anchorsK'), 'Rx' or 'Rx' with options '+subspace', '+fp8' / '+int4' / '+int4sr' /
     '+int4fwd' / '+int4e4m3' / '+int6' / '+int5' / '+topk',
-    '+anchorsK', '+ulrF' (U's learning rate F), '+uadamF' (U by Riemannian Adam at learning rate F)."""
+    '+anchorsK', '+ulrF' (U's learning rate F), '+uadamF' (U by Riemannian Adam at learning rate F), '+fp32'
+    (the products with U and B in fp32)."""
     if variant == "none":
         return Variant(variant)
     ratio, *extras = variant.split("+")
@@ -243,12 +249,14 @@ def _parse(variant: str) -> Variant:
             fields["u_lr"] = float(extra[3:])
         elif extra.startswith("uadam") and _positive_float(extra[5:]) and "u_lr" not in fields:
             fields["u_adam_lr"] = float(extra[5:])
+        elif extra == "fp32":
+            fields["fp32_products"] = True
         else:
             ratio = ""
     if not ratio.endswith("x") or len(extras) != len(set(extras)):
         raise ValueError(
             f"variant {variant!r}: expected none, tables (option +anchorsK), or Rx with options +subspace, +fp8, "
-            "+int4, +int4sr, +int4fwd, +int4e4m3, +int6, +int5 or +topk, +anchorsK, +ulrF or +uadamF"
+            "+int4, +int4sr, +int4fwd, +int4e4m3, +int6, +int5 or +topk, +anchorsK, +ulrF or +uadamF, +fp32"
         )
     return Variant(ratio=float(ratio[:-1]), **fields)
 
@@ -321,6 +329,7 @@ def _loopback_trainer(cfg, variant: Variant):
                 seed=kwargs.get("seed", 0),
                 boundary=0,
                 positions=model.max_sequence_length if defaults.anchors_positions(shape.position_embedding) else 0,
+                fp32_products=variant.fp32_products,
             ).to(loop._device())
             start_anchors_from_embedding([model], [codec])
             if variant.mode == "tables":  # h already holds the embedding: the tables start at zero, a = 0
@@ -551,7 +560,9 @@ def main(argv: Optional[List[str]] = None) -> None:
             parsed = _parse(variant)
         except ValueError as exc:
             parser.error(f"--variants: {exc}")
-        loopback_only = parsed.mode not in ("none", "compress") or parsed.wire not in WIRES or parsed.u_adam_lr
+        loopback_only = (
+            parsed.mode not in ("none", "compress") or parsed.wire not in WIRES or parsed.u_adam_lr or parsed.fp32_products
+        )
         if args.pipeline_parallel == 2 and loopback_only:
             parser.error(
                 f"--variants: {variant!r} is a loopback variant; at --pipeline-parallel 2 use none or Rx, with "

@@ -320,6 +320,61 @@ def test_four_rank_layouts_train_with_identical_replicas(tp, pp, sp):
             assert torch.equal(results[r]["projections"][boundary], results[holders[0]]["projections"][boundary])
 
 
+def _residual_like(gen: torch.Generator, shape, outliers: int = 4) -> torch.Tensor:
+    """Heavy-tailed values (Student-t, 3 degrees of freedom) with a few channels 30x larger, as a residual stream."""
+    values = torch.distributions.StudentT(3.0).sample(shape)
+    values[..., torch.randperm(shape[-1], generator=gen)[:outliers]] *= 30.0
+    return values
+
+
+@pytest.mark.parametrize("fp32_products", [False, True])
+def test_products_in_bf16_round_far_below_the_int5_wire(fp32_products):
+    """A bf16 model's projections multiply in bf16 (``fp32_products=False``, the default): z, the rebuilt h and U's
+    gradient against float64 references of the same U and anchors. Observed relative errors 2.5e-3 (z), 2.8e-3
+    (h), 2.9e-3 (U's gradient), signed bias <= 6e-5 of the mean magnitude; with fp32 products 1.7e-3, 1.7e-3,
+    1.8e-3 (z and h leave in bf16, dL/dz arrives in bf16: that rounding stays); the INT5 wire's own error on the same
+    z is 4.8e-2."""
+    torch.manual_seed(0)
+    gen = torch.Generator().manual_seed(0)
+    d, r, vocab = 512, 192, 100  # d = 512 at 8x: the INT5 wire's rank
+    codec = BoundaryCodec(
+        hidden_size=d, rank=r, vocab_size=vocab, anchor_rank=16, seed=0, boundary=0, fp32_products=fp32_products
+    ).bfloat16()  # as Float16Module casts it: anchors bf16, U fp32
+    with torch.no_grad():
+        codec.anchor_basis.normal_(0, 1.0)  # anchors of the hidden states' size, so their rounding shows
+    tokens = torch.randint(0, vocab, (128, 2), generator=gen)
+    hidden = _residual_like(gen, (128, 2, d)).bfloat16()
+    u64 = codec.projection.detach().double().requires_grad_()
+    anchors64 = codec.anchor_embedding[tokens].double() @ codec.anchor_basis.double()
+    z64 = (hidden.double() - anchors64.detach()) @ u64
+    weights = _residual_like(gen, (128, 2, r))  # a downstream gradient dL/dz
+    (z64 * weights.double()).sum().backward()
+
+    z = codec.project(hidden, tokens)
+    (z.float() * weights).sum().backward()
+    rebuilt = codec.reconstruct(z64.detach().bfloat16(), tokens, torch.bfloat16)
+    rebuilt64 = z64.detach().bfloat16().double() @ u64.detach().T + anchors64.detach()
+
+    def relative(x: torch.Tensor, reference: torch.Tensor) -> float:
+        return float((x.double() - reference).norm() / reference.norm())
+
+    def bias(x: torch.Tensor, reference: torch.Tensor) -> float:
+        return float((x.double() - reference).mean() / reference.abs().mean())
+
+    wire = NarrowIntCodec(r, 5)
+    wire_error = relative(wire.decompress(wire.compress(z64.detach().float()), z.shape, torch.float32), z64.detach())
+    errors = {
+        "z": relative(z, z64.detach()),
+        "h": relative(rebuilt, rebuilt64),
+        "U's gradient": relative(codec.projection.grad, u64.grad),
+    }
+    biases = [bias(z, z64.detach()), bias(rebuilt, rebuilt64), bias(codec.projection.grad, u64.grad)]
+    bound = 2e-3 if fp32_products else 3.5e-3
+    assert max(errors.values()) <= bound, errors
+    assert max(errors.values()) <= wire_error / 10, (errors, wire_error)
+    assert max(map(abs, biases)) <= 1e-4, biases
+
+
 def test_position_anchors_are_exact_and_depend_on_the_position():
     """h = a(t, p) + z U^T goes through project / reconstruct unchanged; the same token at two positions
     gets two anchors (fp32, bound 1e-5 relative to |h|)."""

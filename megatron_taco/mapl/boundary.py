@@ -23,6 +23,11 @@ backward message dL/dz is r-wide too.
 With residual VQ (:mod:`megatron_taco.mapl.vq`) the sender also quantizes z and
 the wire carries the code indices; the quantizer passes gradients straight
 through (dL/dz := dL/dz_q), so the backward message stays r-wide.
+
+The products with U and B run in the hidden states' dtype (bf16 in a bf16 model: tensor cores, fp32
+accumulation; U and B stay fp32 and are cast for the product): in fp32 on CUDA cores they were most of MAPL's time
+per step (d = 2048, rank 768: benchmarks/results/mapl_step_time.md), for rounding far below the wire's.
+``fp32_products=True`` keeps them in fp32 (the benchmarks' comparison).
 """
 
 from __future__ import annotations
@@ -51,9 +56,11 @@ class BoundaryCodec(torch.nn.Module):
         vq: Optional[ResidualVQ] = None,
         positions: int = 0,
         context: int = 0,
+        fp32_products: bool = False,
     ) -> None:
         super().__init__()
         self.boundary = boundary
+        self.fp32_products = fp32_products
         self.hidden_size, self.rank, self.anchor_rank = hidden_size, rank, anchor_rank
         self.positions = positions if anchor_rank > 0 else 0  # position anchors share the anchors' basis
         self.context = context if anchor_rank > 0 else 0  # so do context anchors
@@ -94,9 +101,14 @@ class BoundaryCodec(torch.nn.Module):
         return self
 
     def forward(
-        self, tokens: torch.Tensor, positions: Optional[torch.Tensor], previous: Optional[torch.Tensor]
+        self,
+        tokens: torch.Tensor,
+        positions: Optional[torch.Tensor],
+        previous: Optional[torch.Tensor],
+        dtype: torch.dtype = torch.float32,
     ) -> Optional[torch.Tensor]:
-        """a for tokens and positions [s, b] and previous tokens [n, s, b] as fp32 [s, b, d] (None: no anchors).
+        """a for tokens and positions [s, b] and previous tokens [n, s, b] as [s, b, d] in ``dtype`` (None: no
+        anchors): the coefficients summed in fp32, their product with B in ``dtype``.
 
         The anchors are read through the module call, so the hooks of wrappers see it: megatron-core DDP's
         forward pre-hook waits there for the anchors' parameter all-gather (``--overlap-param-gather``)."""
@@ -107,7 +119,11 @@ class BoundaryCodec(torch.nn.Module):
             coefficients = coefficients + self.anchor_position[positions].float()
         for j in range(self.context):
             coefficients = coefficients + self.anchor_context[j][previous[j]].float()
-        return coefficients @ self.anchor_basis.float()
+        return coefficients.to(dtype) @ self.anchor_basis.to(dtype)
+
+    def _product_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the products with U and B for hidden states of ``dtype`` (fp32 for wider ones)."""
+        return torch.float32 if self.fp32_products or dtype.itemsize >= 4 else dtype
 
     def project(
         self,
@@ -116,10 +132,11 @@ class BoundaryCodec(torch.nn.Module):
         positions: Optional[torch.Tensor] = None,
         previous: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """[s, b, d] -> [s, b, r] (in the hidden states' dtype; math in fp32)."""
-        anchors = self(tokens, positions, previous)
-        centred = hidden.float() if anchors is None else hidden.float() - anchors
-        return (centred @ self.projection).to(hidden.dtype)
+        """[s, b, d] -> [s, b, r] (in the hidden states' dtype)."""
+        dtype = self._product_dtype(hidden.dtype)
+        anchors = self(tokens, positions, previous, dtype)
+        centred = hidden.to(dtype) if anchors is None else hidden.to(dtype) - anchors
+        return (centred @ self.projection.to(dtype)).to(hidden.dtype)
 
     def quantize(self, z: torch.Tensor, wire_dtype: torch.dtype) -> torch.Tensor:
         """Sender with VQ: z_q (value) with z's gradient, its packed indices attached as ``mapl_indices``."""
@@ -141,7 +158,8 @@ class BoundaryCodec(torch.nn.Module):
         positions: Optional[torch.Tensor] = None,
         previous: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """[s, b, r] -> [s, b, d]."""
-        hidden = z.float() @ self.projection.transpose(0, 1)
-        anchors = self(tokens, positions, previous)
+        """[s, b, r] -> [s, b, d] in ``dtype``."""
+        product = self._product_dtype(dtype)
+        hidden = z.to(product) @ self.projection.transpose(0, 1).to(product)
+        anchors = self(tokens, positions, previous, product)
         return (hidden if anchors is None else hidden + anchors).to(dtype)
