@@ -561,7 +561,10 @@ def main(argv: Optional[List[str]] = None) -> None:
         except ValueError as exc:
             parser.error(f"--variants: {exc}")
         loopback_only = (
-            parsed.mode not in ("none", "compress") or parsed.wire not in WIRES or parsed.u_adam_lr or parsed.fp32_products
+            parsed.mode not in ("none", "compress")
+            or parsed.wire not in WIRES
+            or parsed.u_adam_lr
+            or parsed.fp32_products
         )
         if args.pipeline_parallel == 2 and loopback_only:
             parser.error(

@@ -6,7 +6,8 @@ What a PP=2 step of the Megatron-LM rows (``benchmarks/megatron_lm_check.py``: G
 positions, 4 micro-batches of 4 x 2048 tokens) asks of MAPL, without the model and without the links: for each
 micro-batch the sending stage projects its output h (bf16, [2048, 4, d]) to z and encodes it, the receiving stage
 decodes z and rebuilds h from it; backward, the receiver's dL/dz is encoded, decoded and carried through the
-sender's projection; then each stage takes its step of U (``StiefelMomentumSGD``: the QR retraction). The
+sender's projection; then each stage takes its step of U (``StiefelMomentumSGD``: the QR retraction, timed apart
+too, by Cholesky QR as ``retract_qr`` computes it and by Householder QR as it did before 2026-12-07). The
 boundary is built as ``attach_mapl`` builds it (``--mapl-ratio`` R, the default wire and anchors), its parameters
 cast to bf16 as Megatron's Float16Module casts them. The pair's gradient sums are left out (collectives; the one
 GPU has no pair to talk to). Each phase is timed with CUDA events, median over 10 steps after 3 warm-ups.
@@ -30,7 +31,7 @@ import triton
 from benchmarks.provenance import project_commit
 from megatron_taco.config.mapl import MaplConfig, auto_wire
 from megatron_taco.mapl.boundary import BoundaryCodec
-from megatron_taco.mapl.stiefel import StiefelMomentumSGD, retract_qr
+from megatron_taco.mapl.stiefel import StiefelMomentumSGD, _householder_q, random_stiefel, retract_qr
 from megatron_taco.mapl.wire import wire_codec
 
 SEQUENCE, MICRO_BATCH_SIZE, VOCAB = 2048, 4, 32000  # megatron_lm_check.py's GPT rows
@@ -72,7 +73,9 @@ def time_step(hidden: int, ratio: float, products: str, micro_batches: int) -> d
     tokens = torch.randint(0, VOCAB, (SEQUENCE, MICRO_BATCH_SIZE), device="cuda", generator=generator)
     positions = torch.arange(SEQUENCE, device="cuda")[:, None].expand(SEQUENCE, MICRO_BATCH_SIZE)
     shape = (SEQUENCE, MICRO_BATCH_SIZE, hidden)
-    outputs = [torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator) for _ in range(micro_batches)]
+    outputs = [
+        torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator) for _ in range(micro_batches)
+    ]
     grads = [torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=generator) for _ in range(micro_batches)]
 
     def step() -> List[torch.cuda.Event]:
@@ -129,19 +132,25 @@ def time_step(hidden: int, ratio: float, products: str, micro_batches: int) -> d
     }
 
 
-def _retraction_ms(hidden: int, rank: int) -> float:
-    """Median milliseconds of one QR retraction of a d x r point (what each stage's U step ends with)."""
-    y = torch.randn(hidden, rank, device="cuda")
-    times = []
-    for index in range(WARMUPS + TIMINGS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        retract_qr(y)
-        end.record()
-        torch.cuda.synchronize()
-        if index >= WARMUPS:
-            times.append(start.elapsed_time(end))
-    return round(statistics.median(times), 3)
+def _retraction_ms(hidden: int, rank: int) -> Dict[str, float]:
+    """Median milliseconds of one retraction of a step's y = U - lr m (d x r), what each stage's U step ends with:
+    ``retract_qr`` (Cholesky QR) and Householder QR (``retract_qr`` before 2026-12-07)."""
+    u = random_stiefel(hidden, rank, torch.Generator().manual_seed(0)).cuda()
+    y = u - 5e-4 * torch.randn(hidden, rank, device="cuda")
+    timed = {"Cholesky QR": retract_qr, "Householder QR": lambda y: _householder_q(y.double()).float()}
+    medians = {}
+    for name, retract in timed.items():
+        times = []
+        for index in range(WARMUPS + TIMINGS):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            retract(y)
+            end.record()
+            torch.cuda.synchronize()
+            if index >= WARMUPS:
+                times.append(start.elapsed_time(end))
+        medians[f"one retraction ms ({name})"] = round(statistics.median(times), 3)
+    return medians
 
 
 def main() -> None:
@@ -156,7 +165,7 @@ def main() -> None:
         for ratio in map(float, args.ratios.split(",")):
             for products in ("fp32", "bf16"):
                 row = time_step(hidden, ratio, products, args.micro_batches)
-                row["one QR retraction ms"] = _retraction_ms(hidden, row["rank"])
+                row.update(_retraction_ms(hidden, row["rank"]))
                 rows.append(row)
                 print(row, flush=True)
     if args.json:
