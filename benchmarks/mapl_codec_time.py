@@ -15,14 +15,11 @@ Answers: what does the INT5 wire cost per message against the FP8 wire, and what
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 
 import torch
-import triton
 
-from benchmarks.provenance import project_commit
+from benchmarks.provenance import write_gpu_rows
 from megatron_taco.codec.narrow_int import NarrowIntCodec
 from megatron_taco.config.mapl import INT5_BITS, MaplConfig
 from megatron_taco.mapl.wire import wire_codec
@@ -99,19 +96,15 @@ def main() -> None:
         cells = ("-" if value is None else str(value) for key, value in row.items() if key != "tokens")
         print("| " + " | ".join(cells) + " |", flush=True)
     if args.json:
-        meta = {
-            "command": "python -m benchmarks.mapl_codec_time "
+        write_gpu_rows(
+            args.json,
+            "python -m benchmarks.mapl_codec_time "
             + " ".join(
                 f"--{key} {value}"
                 for key, value in (("hidden", args.hidden), ("ratios", args.ratios), ("tokens", args.tokens))
             ),
-            "commit": project_commit(),
-            "hardware": torch.cuda.get_device_name(),
-            "versions": f"torch {torch.__version__} triton {triton.__version__}",
-            "date": datetime.date.today().isoformat(),
-        }
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            rows,
+        )
 
 
 if __name__ == "__main__":

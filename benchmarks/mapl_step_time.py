@@ -20,15 +20,12 @@ MAPL take, and where?
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import statistics
 from typing import Dict, List
 
 import torch
-import triton
 
-from benchmarks.provenance import project_commit
+from benchmarks.provenance import write_gpu_rows
 from megatron_taco.config.mapl import MaplConfig, auto_wire
 from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stiefel import StiefelMomentumSGD, _householder_q, random_stiefel, retract_qr
@@ -169,16 +166,12 @@ def main() -> None:
                 rows.append(row)
                 print(row, flush=True)
     if args.json:
-        meta = {
-            "command": f"python -m benchmarks.mapl_step_time --hidden {args.hidden} --ratios {args.ratios} "
+        write_gpu_rows(
+            args.json,
+            f"python -m benchmarks.mapl_step_time --hidden {args.hidden} --ratios {args.ratios} "
             f"--micro-batches {args.micro_batches}",
-            "commit": project_commit(),
-            "hardware": torch.cuda.get_device_name(),
-            "versions": f"torch {torch.__version__} triton {triton.__version__}",
-            "date": datetime.date.today().isoformat(),
-        }
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            rows,
+        )
 
 
 if __name__ == "__main__":

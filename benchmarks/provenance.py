@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import subprocess
 
@@ -25,3 +27,20 @@ def project_commit() -> str:
     if not head:
         return "unknown (no git checkout; set PROJECT_COMMIT)"
     return head + (" + uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def write_gpu_rows(path: str, command: str, rows: list) -> None:
+    """``{"meta": {command, commit, hardware, versions, date}, "rows": rows}`` as JSON at ``path``: the raw rows
+    of a one-GPU timing benchmark with what produced them."""
+    import torch
+    import triton
+
+    meta = {
+        "command": command,
+        "commit": project_commit(),
+        "hardware": torch.cuda.get_device_name(),
+        "versions": f"torch {torch.__version__} triton {triton.__version__}",
+        "date": datetime.date.today().isoformat(),
+    }
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
