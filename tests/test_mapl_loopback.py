@@ -71,6 +71,7 @@ def test_variants_name_their_rank_and_real_ratio_and_bad_names_fail():
     assert (fast_u.mapl_config(512).lr, fp8.mapl_config(512).lr) == (0.03, 0.01)  # 0.01: --mapl-lr's default
     adam_u = _parse("8x+fp8+uadam0.001")
     assert (adam_u.u_adam_lr, adam_u.u_lr, fp8.u_adam_lr) == (0.001, None, None)
+    assert (_parse("8x+int5+fp32").fp32_products, _parse("8x+int5").fp32_products) == (True, False)
     for bad in ("tables+ulr0.03",):
         with pytest.raises(ValueError, match="tables takes only"):
             _parse(bad)
@@ -85,6 +86,7 @@ def test_variants_name_their_rank_and_real_ratio_and_bad_names_fail():
         "8x+ulrx",
         "8x+uadam0",
         "8x+ulr0.1+uadam0.001",
+        "8x+fp32+fp32",
     ):
         with pytest.raises(ValueError, match=r"expected none, tables \(option \+anchorsK\), or Rx"):
             _parse(bad)
