@@ -28,7 +28,7 @@ import torch
 from benchmarks.provenance import write_gpu_rows
 from megatron_taco.config.mapl import MaplConfig, auto_wire
 from megatron_taco.mapl.boundary import BoundaryCodec
-from megatron_taco.mapl.stiefel import StiefelMomentumSGD, _householder_q, random_stiefel, retract_qr
+from megatron_taco.mapl.stiefel import StiefelMomentumSGD, householder_q, random_stiefel, retract_qr
 from megatron_taco.mapl.wire import wire_codec
 
 SEQUENCE, MICRO_BATCH_SIZE, VOCAB = 2048, 4, 32000  # megatron_lm_check.py's GPT rows
@@ -134,7 +134,7 @@ def _retraction_ms(hidden: int, rank: int) -> Dict[str, float]:
     ``retract_qr`` (Cholesky QR) and Householder QR (``retract_qr`` before 2026-12-07)."""
     u = random_stiefel(hidden, rank, torch.Generator().manual_seed(0)).cuda()
     y = u - 5e-4 * torch.randn(hidden, rank, device="cuda")
-    timed = {"Cholesky QR": retract_qr, "Householder QR": lambda y: _householder_q(y.double()).float()}
+    timed = {"Cholesky QR": retract_qr, "Householder QR": lambda y: householder_q(y.double()).float()}
     medians = {}
     for name, retract in timed.items():
         times = []

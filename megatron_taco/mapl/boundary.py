@@ -24,10 +24,10 @@ With residual VQ (:mod:`megatron_taco.mapl.vq`) the sender also quantizes z and
 the wire carries the code indices; the quantizer passes gradients straight
 through (dL/dz := dL/dz_q), so the backward message stays r-wide.
 
-The products with U and B run in the hidden states' dtype (bf16 in a bf16 model: tensor cores, fp32
-accumulation; U and B stay fp32 and are cast for the product): in fp32 on CUDA cores they were most of MAPL's time
-per step (d = 2048, rank 768: benchmarks/results/mapl_step_time.md), for rounding far below the wire's.
-``fp32_products=True`` keeps them in fp32 (the benchmarks' comparison).
+In a bf16 model the products with U and B run in bf16 on tensor cores (U and B stay fp32 and are cast for the
+product): in fp32 on CUDA cores they made MAPL's boundary step at d = 2048, rank 768 twice as slow
+(benchmarks/results/mapl_step_time.md), for rounding far below the wire's and no measured loss. Other dtypes (fp16,
+with its loss scaling; fp32) keep fp32 products, as does ``fp32_products=True`` (the benchmarks' comparison).
 """
 
 from __future__ import annotations
@@ -121,9 +121,9 @@ class BoundaryCodec(torch.nn.Module):
             coefficients = coefficients + self.anchor_context[j][previous[j]].float()
         return coefficients.to(dtype) @ self.anchor_basis.to(dtype)
 
-    def _product_dtype(self, dtype: torch.dtype) -> torch.dtype:
-        """The dtype of the products with U and B for hidden states of ``dtype`` (fp32 for wider ones)."""
-        return torch.float32 if self.fp32_products or dtype.itemsize >= 4 else dtype
+    def _compute_dtype(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the products with U and B for hidden states of ``dtype``: bf16 for bf16, else fp32."""
+        return torch.bfloat16 if dtype == torch.bfloat16 and not self.fp32_products else torch.float32
 
     def project(
         self,
@@ -133,10 +133,10 @@ class BoundaryCodec(torch.nn.Module):
         previous: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """[s, b, d] -> [s, b, r] (in the hidden states' dtype)."""
-        dtype = self._product_dtype(hidden.dtype)
-        anchors = self(tokens, positions, previous, dtype)
-        centred = hidden.to(dtype) if anchors is None else hidden.to(dtype) - anchors
-        return (centred @ self.projection.to(dtype)).to(hidden.dtype)
+        compute_dtype = self._compute_dtype(hidden.dtype)
+        anchors = self(tokens, positions, previous, compute_dtype)
+        centred = hidden.to(compute_dtype) if anchors is None else hidden.to(compute_dtype) - anchors
+        return (centred @ self.projection.to(compute_dtype)).to(hidden.dtype)
 
     def quantize(self, z: torch.Tensor, wire_dtype: torch.dtype) -> torch.Tensor:
         """Sender with VQ: z_q (value) with z's gradient, its packed indices attached as ``mapl_indices``."""
@@ -159,7 +159,7 @@ class BoundaryCodec(torch.nn.Module):
         previous: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """[s, b, r] -> [s, b, d] in ``dtype``."""
-        product = self._product_dtype(dtype)
-        hidden = z.to(product) @ self.projection.transpose(0, 1).to(product)
-        anchors = self(tokens, positions, previous, product)
+        compute_dtype = self._compute_dtype(dtype)
+        hidden = z.to(compute_dtype) @ self.projection.transpose(0, 1).to(compute_dtype)
+        anchors = self(tokens, positions, previous, compute_dtype)
         return (hidden if anchors is None else hidden + anchors).to(dtype)

@@ -29,6 +29,7 @@ import torch
 __all__ = [
     "tangent_project",
     "retract_qr",
+    "householder_q",
     "random_stiefel",
     "orthogonality_error",
     "StiefelMomentumSGD",
@@ -45,12 +46,17 @@ def tangent_project(u: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return g - u @ sym(u.transpose(-1, -2) @ g)
 
 
-def _householder_q(y: torch.Tensor) -> torch.Tensor:
+def householder_q(y: torch.Tensor) -> torch.Tensor:
     """The Q of y = QR with diag(R) > 0, by Householder QR (y float64)."""
     q, r = torch.linalg.qr(y)
     signs = torch.sign(torch.diagonal(r))
     signs = torch.where(signs == 0, torch.ones_like(signs), signs)
     return q * signs
+
+
+# Cholesky QR's Q is orthonormal to ~1e-16 cond(y)^2 in float64: below this ratio of R's smallest to largest
+# diagonal entry (cond(y) >~ 1e3) Householder QR takes over.
+CHOLESKY_MIN_DIAGONAL_RATIO = 1e-3
 
 
 def retract_qr(y: torch.Tensor) -> torch.Tensor:
@@ -59,20 +65,21 @@ def retract_qr(y: torch.Tensor) -> torch.Tensor:
     R is the Cholesky factor of y^T y and Q = y R^-1 (Cholesky QR): two products and a triangular solve, where
     Householder QR works through r panels one after another (d = 2048, r = 768 on an H100: 1.3 ms against 4.9 ms,
     the same fp32 Q; benchmarks/results/mapl_step_time.md). A step's y = U - lr m has y^T y = I + lr^2 m^T m
-    (m is tangent), so Q stays orthonormal to ~1e-15 in float64; Householder QR where y^T y is not positive
-    definite."""
+    (m is tangent), so cond(y) ~ 1 and Q is orthonormal to ~1e-15; Householder QR where y^T y is not positive
+    definite or y is ill-conditioned (``CHOLESKY_MIN_DIAGONAL_RATIO``)."""
     y64 = y.double()
     r, info = torch.linalg.cholesky_ex(y64.transpose(-1, -2) @ y64, upper=True)
-    if int(info) == 0:
+    diagonal = torch.diagonal(r, dim1=-2, dim2=-1)
+    if bool((info == 0) & (diagonal.min() > CHOLESKY_MIN_DIAGONAL_RATIO * diagonal.max())):  # one host sync
         return torch.linalg.solve_triangular(r, y64, upper=True, left=False).to(y.dtype)
-    return _householder_q(y64).to(y.dtype)
+    return householder_q(y64).to(y.dtype)
 
 
 def random_stiefel(d: int, r: int, generator: torch.Generator) -> torch.Tensor:
     """A uniformly random point of St(d, r) (Householder QR of a Gaussian), fp32."""
     if not 0 < r <= d:
         raise ValueError(f"a projection needs 0 < rank <= hidden size, got rank {r} for hidden size {d}")
-    return _householder_q(torch.randn(d, r, generator=generator, dtype=torch.float64)).float()
+    return householder_q(torch.randn(d, r, generator=generator, dtype=torch.float64)).float()
 
 
 def orthogonality_error(u: torch.Tensor) -> float:
