@@ -34,7 +34,8 @@ text (the Python standard library's sources, byte-level, or with ``--vocab-size 
 trained on the training split), validation on held-out files. Byte-level gpt-25m at 1000 steps ends in the steep
 part of its curve, where two equally exact runs end up to 8% apart (the ``tp1`` control,
 ``results/logs/loss_compare_gpt25m_reading_2026-12-03.md``); on BPE text (``--vocab-size 8192``, one epoch) the
-control's 95% interval is [-0.40%, +0.73%] over 5 seeds (``results/logs/loss_compare_gpt25m_bpe8192_reading_2026-12-03.md``).
+control's 95% interval is [-0.16%, +0.35%] over 10 seeds ([-0.40%, +0.73%] over the first 5;
+``results/logs/loss_compare_bpe8192_int4_20_seeds_reading_2026-12-07.md``).
 
 Runs train with PyTorch's deterministic algorithms where they exist; each run's record lists the ops that have none
 (``nondeterministic``, also in the report), the suspects when a GPU run does not reproduce itself.
@@ -268,7 +269,7 @@ def report(args, results: dict, image: Optional[str] = None) -> List[str]:
             if args.report_only
             else f"- Command: `{results.get('command', _command(args))}`"
         ),
-        f"- Commit: {_commits(results)}; date {results.get('date')}; hardware: {results.get('hardware')}; "
+        f"- Commit: {_commits(results)}; date {results.get('date')}; hardware: {_hardware(results)}; "
         f"torch {results.get('torch', torch.__version__)}",
         f"- Model: {args.model} ({_parameter_counts(results)} parameters), {dataclasses.asdict(shape)}",
         f"- Training: TP=2 + SP {_transports(args, results)}, {args.dtype}, {args.steps} steps of {args.micro_batches} x {args.micro_batch_size} "
@@ -325,7 +326,9 @@ def report(args, results: dict, image: Optional[str] = None) -> List[str]:
         lines += ["", f"{before} of the {len(runs)} runs trained before deterministic algorithms (c0260f1): a run "
                   "of the same seed and arm need not reproduce them."]  # fmt: skip
     missing = [(a, s) for a in arms for s in range(args.seeds) if _key(a, s) not in runs]
-    if missing:
+    if missing and args.report_only:  # arms trained with fewer seeds than --seeds: the table's seeds column
+        lines += ["", f"{len(missing)} runs of --seeds {args.seeds} are not in the json (arms with fewer seeds)."]
+    elif missing:
         lines += ["", f"{len(missing)} runs still missing: run the same command again to train them."]
     return lines
 
@@ -347,6 +350,17 @@ def _commits(results: dict) -> str:
         return last
     per_commit = ", ".join(f"{commit} {n}" for commit, n in sorted(counts.items()))
     return f"{last} (the last call that trained); runs per commit: {per_commit} (the calls' log headers name each)"
+
+
+def _hardware(results: dict) -> str:
+    """The GPU (or CPU) of the last call that trained, and how many runs each trained on when the json holds runs of
+    several machines (a run records its machine since 2026-12-07; the json's machine before that stands for the older runs)."""
+    last = results.get("hardware")
+    counts = Counter(run.get("hardware", "not recorded") for run in results["runs"].values())
+    if set(counts) <= {last}:
+        return str(last)
+    per_machine = ", ".join(f"{machine} {n}" for machine, n in sorted(counts.items()))
+    return f"{last} (the last call that trained); runs per machine: {per_machine}"
 
 
 def _gap_windows(
@@ -594,7 +608,11 @@ def main(argv: Optional[List[str]] = None) -> None:
             arm, seed = futures[future]
             try:
                 results["runs"][_key(arm, seed)] = dict(
-                    future.result()[0], backend=_transport(args), commit=results["commit"], date=results["date"]
+                    future.result()[0],
+                    backend=_transport(args),
+                    commit=results["commit"],
+                    date=results["date"],
+                    hardware=results["hardware"],
                 )
             except Exception as exc:  # the other runs go on; this one is reported and left to a re-run
                 print(f"  {_key(arm, seed)}: FAILED: {exc}", flush=True)

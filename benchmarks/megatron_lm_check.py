@@ -265,7 +265,7 @@ ROWS = [
     _row("socket", "gpt", "te", "bf16", "int4-ash-edges", repeats=3),
     _row("socket", "gpt", "te", "fp8", "int4-ash-edges", repeats=3),
     # INT4 forward without the Hadamard, INT8 gradients, the first and last layers at INT8: the lowest measured 4-bit
-    # loss gap since 2026-12-05 (+0.26%, 10 seeds), its kernels at copy speed (kernels.md)
+    # loss gap since 2026-12-05 (+0.28% [-0.04%, +0.60%], 20 seeds), its kernels at copy speed (kernels.md)
     _row("socket", "gpt", "te", "bf16", "int4-int8-edges", repeats=3),
     _row("socket", "gpt", "te", "fp8", "int4-int8-edges", repeats=3),
     # --taco-switch on the real training loop: INT4 forward until iteration 10 of 20, then FP8 (the log says when)

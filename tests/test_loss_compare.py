@@ -253,6 +253,15 @@ def test_the_commit_line_counts_the_runs_of_each_call():
     assert loss_compare._commits({"commit": "bbb2222", "runs": {"none | seed 0": {"commit": "bbb2222"}}}) == "bbb2222"
 
 
+def test_the_hardware_line_counts_the_runs_of_each_machine():
+    """Runs of a json that calls on two GPUs filled are counted per machine, so a report never credits the H200's
+    runs to the H100 of the last call; one machine throughout reads as before (its name only)."""
+    runs = {"none | seed 0": {"hardware": "1 x H200"}, "none | seed 9": {"hardware": "1 x H100"}, "tp1 | seed 0": {}}
+    line = loss_compare._hardware({"hardware": "1 x H100", "runs": runs})
+    assert line == "1 x H100 (the last call that trained); runs per machine: 1 x H100 1, 1 x H200 1, not recorded 1"
+    assert loss_compare._hardware({"hardware": "1 x H100", "runs": {"none | seed 0": {"hardware": "1 x H100"}}}) == "1 x H100"
+
+
 def test_the_report_shows_how_the_training_gap_grows_per_window():
     """Mean over the paired seeds of each window's training-loss ratio: an arm 1% above the baseline from step 11 on
     reads +0.00 in the first windows and +1.00 in the last; the windows split the steps every paired run has (a
