@@ -259,7 +259,10 @@ def test_the_hardware_line_counts_the_runs_of_each_machine():
     runs = {"none | seed 0": {"hardware": "1 x H200"}, "none | seed 9": {"hardware": "1 x H100"}, "tp1 | seed 0": {}}
     line = loss_compare._hardware({"hardware": "1 x H100", "runs": runs})
     assert line == "1 x H100 (the last call that trained); runs per machine: 1 x H100 1, 1 x H200 1, not recorded 1"
-    assert loss_compare._hardware({"hardware": "1 x H100", "runs": {"none | seed 0": {"hardware": "1 x H100"}}}) == "1 x H100"
+    assert (
+        loss_compare._hardware({"hardware": "1 x H100", "runs": {"none | seed 0": {"hardware": "1 x H100"}}})
+        == "1 x H100"
+    )
 
 
 def test_the_report_shows_how_the_training_gap_grows_per_window():
