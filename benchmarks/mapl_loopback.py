@@ -11,7 +11,7 @@ its boundary) the hidden states go through MAPL's own
 ends, so autograd sums the two ends' gradients of U and of the anchors, which is what PP=2 does across its
 pair of replicas (``MaplSync.finalize_grads``); U takes the same manifold step, clipped with the other
 gradients (``step_projections_with``, which PP=2's ``MaplSync.follow_steps`` uses). A PP=2 run and this one
-give the same losses to 5e-8 relative (``tests/test_mapl_loopback.py``, fp32 on CPU); there is no VQ here.
+give the same losses to 5e-8 relative (``tests/test_mapl_loopback.py``, fp32 on CPU), with VQ too.
 
 Variants: ``none`` (stock), ``R x`` (MAPL at ratio R, the shipped defaults: anchor rank 64, position
 anchors, anchors from the embedding), ``tables`` (the equal-parameter baseline: the uncompressed model given
@@ -32,7 +32,10 @@ k the most that keeps ratio R; dL/dz returns at the same k),
 ``+anchorsK`` (anchor rank K), ``+ulrF`` (U's manifold learning rate F, ``--mapl-lr``), ``+uadamF`` (U trained by
 Riemannian Adam at learning rate F, ``mapl.stiefel.StiefelAdam``, instead of momentum SGD: a lead of the MAPL issue),
 ``+fp32`` (the boundary's products with U and B in fp32, as every run before 2026-12-07 computed them; since then
-they run in the hidden states' dtype, ``BoundaryCodec``).
+they run in the hidden states' dtype, ``BoundaryCodec``), ``+vqL`` (``--mapl-vq-levels L``: z at r = d / R goes
+forward as L one-byte indices into residual codebooks of 255 codes (``mapl.vq.ResidualVQ``, EMA k-means after each
+optimizer step, as ``MaplSync.codebook_step`` does it), dL/dz returns r-wide: the forward message is 2d / L times
+smaller than h, the backward R times).
 Results are resumable (``--json``); the report gives each variant's mean validation
 loss and the paired 95% interval of its difference to the first variant over the seeds.
 
@@ -47,6 +50,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import statistics
@@ -64,6 +68,7 @@ from megatron_taco.mapl.anchor_init import start_anchors_from_embedding
 from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stage import step_projections_with
 from megatron_taco.mapl.stiefel import StiefelAdam, StiefelMomentumSGD
+from megatron_taco.mapl.vq import ResidualVQ, index_bytes
 from megatron_taco.mapl.wire import compression_ratio, fp8_wire_codec, wire_codec
 from megatron_taco.testing.distributed import run_distributed
 from megatron_taco.training.data import cache_stdlib_text, stdlib_text_batches
@@ -162,7 +167,8 @@ class Variant:
     a multiple of 16, within 2d / R bytes per token. ``anchor_rank``: the anchors' k; ``u_lr``: U's manifold
     learning rate (``--mapl-lr``); ``u_adam_lr``: U by Riemannian Adam at this learning rate; None: the defaults.
     ``fp32_products``: the boundary multiplies by U and B in fp32 (``BoundaryCodec``; every run before 2026-12-07's
-    bf16 products)."""
+    bf16 products). ``vq_levels``: z goes forward as that many residual-VQ indices (``--mapl-vq-levels``; bf16 wire
+    rank d / R, dL/dz back r-wide)."""
 
     mode: str
     ratio: float = 1.0
@@ -171,6 +177,7 @@ class Variant:
     u_lr: Optional[float] = None
     u_adam_lr: Optional[float] = None
     fp32_products: bool = False
+    vq_levels: int = 0
 
     def rank(self, hidden_size: int) -> int:
         if self.wire == "topk":  # every coordinate is a candidate: U is square
@@ -211,12 +218,14 @@ class Variant:
 
     def wire_ratio(self, hidden_size: int) -> float:
         """bf16 bytes of h over the wire bytes of z, per token (scales included, the message header not; forward:
-        "int4fwd" sends twice these bytes backward)."""
+        "int4fwd" sends twice these bytes backward, VQ's dL/dz returns r-wide in bf16)."""
+        if self.vq_levels:
+            return 2 * hidden_size / (self.vq_levels * index_bytes(self.mapl_config(hidden_size).vq_codes))
         return compression_ratio(hidden_size, self.rank(hidden_size), self.wire_codec(hidden_size), 2)
 
     def mapl_config(self, hidden_size: int) -> MaplConfig:
         """MAPL's settings of this variant (INT4 aside, the loopback's own wire)."""
-        given = dict(anchor_rank=self.anchor_rank, lr=self.u_lr)
+        given = dict(anchor_rank=self.anchor_rank, lr=self.u_lr, vq_levels=self.vq_levels or None)
         if self.wire in ("topk", "int5"):  # the flag's ratio sets k (r = d) or r
             given.update(ratio=self.ratio, wire=self.wire)
         else:
@@ -229,7 +238,7 @@ def _parse(variant: str) -> Variant:
     """'none', 'tables' (option '+anchorsK'), 'Rx' or 'Rx' with options '+subspace', '+fp8' / '+int4' / '+int4sr' /
     '+int4fwd' / '+int4e4m3' / '+int6' / '+int5' / '+topk',
     '+anchorsK', '+ulrF' (U's learning rate F), '+uadamF' (U by Riemannian Adam at learning rate F), '+fp32'
-    (the products with U and B in fp32)."""
+    (the products with U and B in fp32), '+vqL' (L residual-VQ indices forward)."""
     if variant == "none":
         return Variant(variant)
     ratio, *extras = variant.split("+")
@@ -251,12 +260,16 @@ def _parse(variant: str) -> Variant:
             fields["u_adam_lr"] = float(extra[5:])
         elif extra == "fp32":
             fields["fp32_products"] = True
+        elif extra.startswith("vq") and extra[2:].isdigit() and int(extra[2:]) > 0:
+            fields["vq_levels"] = int(extra[2:])
         else:
             ratio = ""
+    if fields.get("vq_levels") and fields.get("wire", "bf16") != "bf16":
+        raise ValueError(f"variant {variant!r}: +vqL sends indices, not z: it takes no wire (+{fields['wire']})")
     if not ratio.endswith("x") or len(extras) != len(set(extras)):
         raise ValueError(
             f"variant {variant!r}: expected none, tables (option +anchorsK), or Rx with options +subspace, +fp8, "
-            "+int4, +int4sr, +int4fwd, +int4e4m3, +int6, +int5 or +topk, +anchorsK, +ulrF or +uadamF, +fp32"
+            "+int4, +int4sr, +int4fwd, +int4e4m3, +int6, +int5 or +topk, +anchorsK, +ulrF or +uadamF, +fp32, +vqL"
         )
     return Variant(ratio=float(ratio[:-1]), **fields)
 
@@ -330,6 +343,7 @@ def _loopback_trainer(cfg, variant: Variant):
                 boundary=0,
                 positions=model.max_sequence_length if defaults.anchors_positions(shape.position_embedding) else 0,
                 fp32_products=variant.fp32_products,
+                vq=_residual_vq(defaults, shape.hidden_size, kwargs.get("seed", 0)),
             ).to(loop._device())
             start_anchors_from_embedding([model], [codec])
             if variant.mode == "tables":  # h already holds the embedding: the tables start at zero, a = 0
@@ -338,6 +352,8 @@ def _loopback_trainer(cfg, variant: Variant):
                     if codec.positions:
                         codec.anchor_position.zero_()
             wire = variant.wire_round_trip(shape.hidden_size)
+            if codec.vq is not None:  # z_q forward, dL/dz_q as dL/dz back (straight-through), as MaplStage sends them
+                wire = functools.partial(codec.quantize, wire_dtype=torch.bfloat16)
             state["boundary"] = LoopbackBoundary(model, codec, shape.num_layers // 2, variant.mode, wire)
         return model
 
@@ -355,8 +371,32 @@ def _loopback_trainer(cfg, variant: Variant):
                 [codec.projection], lr=defaults.lr, momentum=defaults.momentum, buffers=[codec.projection_momentum]
             )
         )
-        step_projections_with(trainer.optimizer, manifold, [codec], cfg.lr)
+        step_projections_with(trainer.optimizer, manifold, [codec], cfg.lr, after_step=_codebook_step(codec))
     return trainer, codec
+
+
+def _residual_vq(cfg: MaplConfig, hidden_size: int, seed: int) -> Optional[ResidualVQ]:
+    """Boundary 0's codebooks as ``attach_mapl`` builds them (None without VQ)."""
+    if not cfg.vq_levels:
+        return None
+    rank = cfg.wire_rank(hidden_size, 0)
+    levels, codes, decay = cfg.vq_levels, cfg.vq_codes, cfg.vq_decay
+    return ResidualVQ(rank, levels, codes, decay, cfg.vq_sync_rows, cfg.vq_sync_tolerance, seed=seed * 7919)
+
+
+def _codebook_step(codec: BoundaryCodec):
+    """After each optimizer step, ``MaplSync.codebook_step`` on one rank: the sender's EMA update, then the changed
+    rows into the active codebooks (a skipped step drops its statistics); nothing without VQ."""
+
+    def step(updated: bool) -> None:
+        if codec.vq is None:
+            return
+        if not updated:
+            codec.vq.clear_step_statistics()
+            return
+        codec.vq.sync(None, 0, codec.vq.update_targets(()))  # the whole world is this one rank
+
+    return step
 
 
 def _parameters(trainer) -> int:
@@ -511,6 +551,8 @@ def report(args, results: dict) -> List[str]:
                 else f"r {parsed.rank(shape.hidden_size)}"
             )
             backward = ", dL/dz in FP8" if parsed.wire == "int4fwd" else ""  # twice the forward bytes back
+            if parsed.vq_levels:  # indices forward, r-wide bf16 back
+                backward = f" forward: {parsed.vq_levels} indices; dL/dz r-wide, {parsed.ratio:g}x"
             label += f" ({width}, {parsed.wire_ratio(shape.hidden_size):.2f}x{backward})"
         moved = [runs[f"{variant} | seed {s}"].get("u_moved") for s in seeds]
         moved_cell = "-" if None in moved else f"{statistics.mean(moved):.3f}"

@@ -27,7 +27,7 @@ def _config():
     )
 
 
-@pytest.mark.parametrize("variant", ["8x", "8x+fp8", "8x+int5", "8x+topk"])
+@pytest.mark.parametrize("variant", ["8x", "8x+fp8", "8x+int5", "8x+topk", "8x+vq2"])
 def test_loopback_trains_like_pp2(variant):
     """``8x+fp8`` / ``8x+int5`` / ``8x+topk``: PP=2 with ``--mapl-wire fp8`` / ``int5`` / ``topk``
     (CodecWireCommunicator encodes z and dL/dz on send, decodes them on arrival; with topk the receiving stage keeps
@@ -87,9 +87,17 @@ def test_variants_name_their_rank_and_real_ratio_and_bad_names_fail():
         "8x+uadam0",
         "8x+ulr0.1+uadam0.001",
         "8x+fp32+fp32",
+        "8x+vq0",
+        "8x+vq",
+        "8x+vq2+vq2",
     ):
         with pytest.raises(ValueError, match=r"expected none, tables \(option \+anchorsK\), or Rx"):
             _parse(bad)
+    vq = _parse("8x+vq2")  # --mapl-vq-levels 2: r = d / R at the bf16 rule, 2 one-byte indices forward
+    assert (vq.rank(512), vq.vq_levels, vq.wire_ratio(512), vq.mapl_config(512).vq_levels) == (64, 2, 512.0, 2)
+    assert _parse("8x").mapl_config(512).vq_levels == 0
+    with pytest.raises(ValueError, match=r"\+vqL sends indices, not z: it takes no wire \(\+int5\)"):
+        _parse("8x+int5+vq2")
 
 
 def test_the_wire_round_trip_quantizes_z_forward_and_its_gradient_backward():
