@@ -35,7 +35,10 @@ Riemannian Adam at learning rate F, ``mapl.stiefel.StiefelAdam``, instead of mom
 they run in the hidden states' dtype, ``BoundaryCodec``), ``+vqL`` (``--mapl-vq-levels L``: z at r = d / R goes
 forward as L one-byte indices into residual codebooks of 255 codes (``mapl.vq.ResidualVQ``, EMA k-means after each
 optimizer step, as ``MaplSync.codebook_step`` does it), dL/dz returns r-wide: the forward message is 2d / L times
-smaller than h, the backward R times).
+smaller than h, the backward R times), ``+leakN`` (a warm-up into the bottleneck: for the first N steps the
+receiver gets h_rec + alpha (h - h_rec), alpha falling linearly from 1 at the first step to 0 after N steps, so
+the model starts uncompressed and U, which gets gradient in proportion to 1 - alpha, and the layers after the
+boundary adapt while the dropped part fades; a lead of the MAPL issue: U's warm-up).
 Results are resumable (``--json``); the report gives each variant's mean validation
 loss and the paired 95% interval of its difference to the first variant over the seeds.
 
@@ -94,11 +97,15 @@ class LoopbackBoundary(torch.nn.Module):
     """A MAPL boundary after decoder layer ``layer`` of a PP=1 GPTModel (a submodule of it, so Megatron's
     optimizer trains the anchors like any parameter); ``subspace``: the layers before it write through U."""
 
-    def __init__(self, model: torch.nn.Module, codec: BoundaryCodec, layer: int, mode: str, wire=None) -> None:
+    def __init__(
+        self, model: torch.nn.Module, codec: BoundaryCodec, layer: int, mode: str, wire=None, leak_steps: int = 0
+    ) -> None:
         super().__init__()
         self.codec = codec
         self.mode = mode
         self.wire = wire  # z -> what arrives of z (and of dL/dz backward) after the wire (None: bf16)
+        self.leak_steps = leak_steps  # ``+leakN``: the dropped part h - h_rec fades out over these steps
+        self.steps = 0  # optimizer steps taken (``_after_step``)
         self._ids = None
         model.add_module("mapl_loopback", self)
         model.register_forward_pre_hook(self._remember_ids)
@@ -135,8 +142,15 @@ class LoopbackBoundary(torch.nn.Module):
             wire = self.codec.project(hidden, tokens, positions)  # in the hidden states' dtype, like the P2P message
             if self.wire is not None:
                 wire = self.wire(wire)
-            hidden = self.codec.reconstruct(wire, tokens, hidden.dtype, positions)
+            rebuilt = self.codec.reconstruct(wire, tokens, hidden.dtype, positions)
+            alpha = leak(self.steps, self.leak_steps)
+            hidden = rebuilt if alpha == 0.0 else rebuilt + alpha * (hidden - rebuilt)
         return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
+
+
+def leak(steps: int, leak_steps: int) -> float:
+    """``+leakN``'s alpha after ``steps`` optimizer steps: 1 at the first step, falling linearly to 0 at N."""
+    return max(0.0, 1.0 - steps / leak_steps) if leak_steps else 0.0
 
 
 # Bits per value of z for the "+fp8" / "+int4*" variants: TACO's codec on z (forward) and dL/dz (backward), the
@@ -168,7 +182,7 @@ class Variant:
     learning rate (``--mapl-lr``); ``u_adam_lr``: U by Riemannian Adam at this learning rate; None: the defaults.
     ``fp32_products``: the boundary multiplies by U and B in fp32 (``BoundaryCodec``; every run before 2026-12-07's
     bf16 products). ``vq_levels``: z goes forward as that many residual-VQ indices (``--mapl-vq-levels``; bf16 wire
-    rank d / R, dL/dz back r-wide)."""
+    rank d / R, dL/dz back r-wide). ``leak_steps``: ``+leakN``'s warm-up into the bottleneck."""
 
     mode: str
     ratio: float = 1.0
@@ -178,6 +192,7 @@ class Variant:
     u_adam_lr: Optional[float] = None
     fp32_products: bool = False
     vq_levels: int = 0
+    leak_steps: int = 0
 
     def rank(self, hidden_size: int) -> int:
         if self.wire == "topk":  # every coordinate is a candidate: U is square
@@ -238,7 +253,8 @@ def _parse(variant: str) -> Variant:
     """'none', 'tables' (option '+anchorsK'), 'Rx' or 'Rx' with options '+subspace', '+fp8' / '+int4' / '+int4sr' /
     '+int4fwd' / '+int4e4m3' / '+int6' / '+int5' / '+topk',
     '+anchorsK', '+ulrF' (U's learning rate F), '+uadamF' (U by Riemannian Adam at learning rate F), '+fp32'
-    (the products with U and B in fp32), '+vqL' (L residual-VQ indices forward)."""
+    (the products with U and B in fp32), '+vqL' (L residual-VQ indices forward), '+leakN' (the warm-up into the
+    bottleneck over N steps)."""
     if variant == "none":
         return Variant(variant)
     ratio, *extras = variant.split("+")
@@ -262,6 +278,8 @@ def _parse(variant: str) -> Variant:
             fields["fp32_products"] = True
         elif extra.startswith("vq") and extra[2:].isdigit() and int(extra[2:]) > 0:
             fields["vq_levels"] = int(extra[2:])
+        elif extra.startswith("leak") and extra[4:].isdigit() and int(extra[4:]) > 0:
+            fields["leak_steps"] = int(extra[4:])
         else:
             ratio = ""
     if fields.get("vq_levels") and fields.get("wire", "bf16") != "bf16":
@@ -269,7 +287,7 @@ def _parse(variant: str) -> Variant:
     if not ratio.endswith("x") or len(extras) != len(set(extras)):
         raise ValueError(
             f"variant {variant!r}: expected none, tables (option +anchorsK), or Rx with options +subspace, +fp8, "
-            "+int4, +int4sr, +int4fwd, +int4e4m3, +int6, +int5 or +topk, +anchorsK, +ulrF or +uadamF, +fp32, +vqL"
+            "+int4, +int4sr, +int4fwd, +int4e4m3, +int6, +int5 or +topk, +anchorsK, +ulrF or +uadamF, +fp32, +vqL, +leakN"
         )
     return Variant(ratio=float(ratio[:-1]), **fields)
 
@@ -354,7 +372,8 @@ def _loopback_trainer(cfg, variant: Variant):
             wire = variant.wire_round_trip(shape.hidden_size)
             if codec.vq is not None:  # z_q forward, dL/dz_q as dL/dz back (straight-through), as MaplStage sends them
                 wire = functools.partial(codec.quantize, wire_dtype=torch.bfloat16)
-            state["boundary"] = LoopbackBoundary(model, codec, shape.num_layers // 2, variant.mode, wire)
+            layer = shape.num_layers // 2
+            state["boundary"] = LoopbackBoundary(model, codec, layer, variant.mode, wire, variant.leak_steps)
         return model
 
     loop.build_gpt_model = build_with_boundary
@@ -371,7 +390,8 @@ def _loopback_trainer(cfg, variant: Variant):
                 [codec.projection], lr=defaults.lr, momentum=defaults.momentum, buffers=[codec.projection_momentum]
             )
         )
-        step_projections_with(trainer.optimizer, manifold, [codec], cfg.lr, after_step=_codebook_step(codec))
+        after_step = _after_step(state["boundary"])
+        step_projections_with(trainer.optimizer, manifold, [codec], cfg.lr, after_step=after_step)
     return trainer, codec
 
 
@@ -384,17 +404,19 @@ def _residual_vq(cfg: MaplConfig, hidden_size: int, seed: int) -> Optional[Resid
     return ResidualVQ(rank, levels, codes, decay, cfg.vq_sync_rows, cfg.vq_sync_tolerance, seed=seed * 7919)
 
 
-def _codebook_step(codec: BoundaryCodec):
-    """After each optimizer step, ``MaplSync.codebook_step`` on one rank: the sender's EMA update, then the changed
-    rows into the active codebooks (a skipped step drops its statistics); nothing without VQ."""
+def _after_step(boundary: LoopbackBoundary):
+    """After each optimizer step: count it (``+leakN``), and with VQ ``MaplSync.codebook_step`` on one rank: the
+    sender's EMA update, then the changed rows into the active codebooks (a skipped step drops its statistics)."""
+    vq = boundary.codec.vq
 
     def step(updated: bool) -> None:
-        if codec.vq is None:
+        boundary.steps += int(updated)
+        if vq is None:
             return
         if not updated:
-            codec.vq.clear_step_statistics()
+            vq.clear_step_statistics()
             return
-        codec.vq.sync(None, 0, codec.vq.update_targets(()))  # the whole world is this one rank
+        vq.sync(None, 0, vq.update_targets(()))  # the whole world is this one rank
 
     return step
 
@@ -607,6 +629,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             or parsed.wire not in WIRES
             or parsed.u_adam_lr
             or parsed.fp32_products
+            or parsed.leak_steps
         )
         if args.pipeline_parallel == 2 and loopback_only:
             parser.error(

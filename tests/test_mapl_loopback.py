@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from benchmarks.loss_compare import MODELS
-from benchmarks.mapl_loopback import _parse, _WireRoundTrip, main, subspace_distance, train_config, train_loopback
+from benchmarks.mapl_loopback import (
+    _parse,
+    _WireRoundTrip,
+    leak,
+    main,
+    subspace_distance,
+    train_config,
+    train_loopback,
+)
 from megatron_taco.codec import TacoCodec
 from megatron_taco.codec.narrow_int import NarrowIntCodec
 from megatron_taco.mapl.stiefel import random_stiefel
@@ -42,6 +50,20 @@ def test_loopback_trains_like_pp2(variant):
     # and the boundary is there: the uncompressed model trains differently
     assert abs(uncompressed["valid"] - loopback["valid"]) > 1e-3, (uncompressed, loopback)
     assert pipeline["parameters"] == loopback["parameters"]  # both count the anchors once
+
+
+def test_the_leak_warm_up_starts_as_the_stock_model_and_fades_into_the_bottleneck():
+    """``+leakN``: h_rec + alpha (h - h_rec) with alpha 1 at the first step, so that step is the stock model's
+    (the anchors and U idle); alpha falls linearly and is 0 from step N on, where the run is MAPL's."""
+    assert [leak(s, 4) for s in (0, 1, 2, 4, 9)] == [1.0, 0.75, 0.5, 0.0, 0.0]
+    assert leak(3, 0) == 0.0  # no warm-up
+    runs = {
+        v: run_distributed(train_loopback, 1, _config(), v, STEPS, DATA_SEED, EVAL_ITERS, timeout=600)[0]
+        for v in ("none", "8x", "8x+leak3")
+    }
+    assert runs["8x+leak3"]["train"][0] == runs["none"]["train"][0] != runs["8x"]["train"][0]
+    assert runs["8x+leak3"]["train"][1] not in (runs["none"]["train"][1], runs["8x"]["train"][1])
+    assert runs["8x+leak3"]["parameters"] == runs["8x"]["parameters"]
 
 
 def test_the_tables_baseline_has_mapls_parameters_and_starts_as_the_stock_model():
@@ -90,6 +112,8 @@ def test_variants_name_their_rank_and_real_ratio_and_bad_names_fail():
         "8x+vq0",
         "8x+vq",
         "8x+vq2+vq2",
+        "8x+leak0",
+        "8x+leak",
     ):
         with pytest.raises(ValueError, match=r"expected none, tables \(option \+anchorsK\), or Rx"):
             _parse(bad)
@@ -241,7 +265,7 @@ def test_riemannian_adam_of_a_variant_trains_u():
     assert 0 < runs["8x"]["u_moved"] < runs["8x+uadam0.01"]["u_moved"] < 1, runs
 
 
-@pytest.mark.parametrize("variant", ["8x+uadam0.001", "tables", "8x+int4"])
+@pytest.mark.parametrize("variant", ["8x+uadam0.001", "tables", "8x+int4", "8x+leak100"])
 def test_loopback_only_variants_are_refused_at_pp2_in_one_line(variant, tmp_path, capsys):
     """PP=2 runs step U with MaplSync's momentum SGD and send bf16 or FP8: the loopback's other variants stop at
     parse time, naming the variant."""
