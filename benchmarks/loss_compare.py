@@ -345,22 +345,24 @@ def _commits(results: dict) -> str:
     """The commit of the last call that trained, and how many runs each commit trained when the json holds runs of
     several calls (runs trained before 2026-12-03's per-run record do not name theirs; each call's log header does)."""
     last = results.get("commit") or project_commit()
-    counts = Counter(run.get("commit", "not recorded") for run in results["runs"].values())
-    if set(counts) <= {last}:
-        return last
-    per_commit = ", ".join(f"{commit} {n}" for commit, n in sorted(counts.items()))
-    return f"{last} (the last call that trained); runs per commit: {per_commit} (the calls' log headers name each)"
+    line = _last_and_per_run(results, "commit", last, "commit")
+    return line if line == last else f"{line} (the calls' log headers name each)"
 
 
 def _hardware(results: dict) -> str:
     """The GPU (or CPU) of the last call that trained, and how many runs each trained on when the json holds runs of
     several machines (a run records its machine since 2026-12-07; the json's machine before that stands for the older runs)."""
-    last = results.get("hardware")
-    counts = Counter(run.get("hardware", "not recorded") for run in results["runs"].values())
+    return _last_and_per_run(results, "hardware", str(results.get("hardware")), "machine")
+
+
+def _last_and_per_run(results: dict, field: str, last: str, noun: str) -> str:
+    """`last` (the value of the last call that trained) alone when every run records it, else followed by how many
+    runs record each value of `field`."""
+    counts = Counter(str(run.get(field, "not recorded")) for run in results["runs"].values())
     if set(counts) <= {last}:
-        return str(last)
-    per_machine = ", ".join(f"{machine} {n}" for machine, n in sorted(counts.items()))
-    return f"{last} (the last call that trained); runs per machine: {per_machine}"
+        return last
+    per_value = ", ".join(f"{value} {n}" for value, n in sorted(counts.items()))
+    return f"{last} (the last call that trained); runs per {noun}: {per_value}"
 
 
 def _gap_windows(

@@ -69,9 +69,9 @@ from megatron_taco.codec.topk import TopKCodec
 from megatron_taco.config.mapl import WIRES, MaplConfig
 from megatron_taco.mapl.anchor_init import start_anchors_from_embedding
 from megatron_taco.mapl.boundary import BoundaryCodec
-from megatron_taco.mapl.stage import step_projections_with
+from megatron_taco.mapl.stage import boundary_vq, step_projections_with
 from megatron_taco.mapl.stiefel import StiefelAdam, StiefelMomentumSGD
-from megatron_taco.mapl.vq import ResidualVQ, index_bytes
+from megatron_taco.mapl.vq import index_bytes
 from megatron_taco.mapl.wire import compression_ratio, fp8_wire_codec, wire_codec
 from megatron_taco.testing.distributed import run_distributed
 from megatron_taco.training.data import cache_stdlib_text, stdlib_text_batches
@@ -361,7 +361,7 @@ def _loopback_trainer(cfg, variant: Variant):
                 boundary=0,
                 positions=model.max_sequence_length if defaults.anchors_positions(shape.position_embedding) else 0,
                 fp32_products=variant.fp32_products,
-                vq=_residual_vq(defaults, shape.hidden_size, kwargs.get("seed", 0)),
+                vq=boundary_vq(defaults, defaults.wire_rank(shape.hidden_size, 0), kwargs.get("seed", 0), 0),
             ).to(loop._device())
             start_anchors_from_embedding([model], [codec])
             if variant.mode == "tables":  # h already holds the embedding: the tables start at zero, a = 0
@@ -393,15 +393,6 @@ def _loopback_trainer(cfg, variant: Variant):
         after_step = _after_step(state["boundary"])
         step_projections_with(trainer.optimizer, manifold, [codec], cfg.lr, after_step=after_step)
     return trainer, codec
-
-
-def _residual_vq(cfg: MaplConfig, hidden_size: int, seed: int) -> Optional[ResidualVQ]:
-    """Boundary 0's codebooks as ``attach_mapl`` builds them (None without VQ)."""
-    if not cfg.vq_levels:
-        return None
-    rank = cfg.wire_rank(hidden_size, 0)
-    levels, codes, decay = cfg.vq_levels, cfg.vq_codes, cfg.vq_decay
-    return ResidualVQ(rank, levels, codes, decay, cfg.vq_sync_rows, cfg.vq_sync_tolerance, seed=seed * 7919)
 
 
 def _after_step(boundary: LoopbackBoundary):

@@ -51,6 +51,7 @@ __all__ = [
     "ScheduleView",
     "MaplSync",
     "attach_mapl",
+    "boundary_vq",
     "start_mapl",
     "schedule_inputs",
     "step_projections_with",
@@ -545,17 +546,7 @@ def attach_mapl(
             sequence_parallel=config.sequence_parallel,
             positions=positions,
             context=cfg.context_anchors,
-            vq=ResidualVQ(
-                rank,
-                cfg.vq_levels,
-                cfg.vq_codes,
-                cfg.vq_decay,
-                cfg.vq_sync_rows,
-                cfg.vq_sync_tolerance,
-                seed=seed * 7919 + index,
-            )
-            if cfg.vq_levels
-            else None,
+            vq=boundary_vq(cfg, rank, seed, index),
         ).to(device)
 
     stage = MaplStage(
@@ -566,6 +557,22 @@ def attach_mapl(
     if _variable_shapes(cfg, config):  # megatron-core sends each tensor's shape first: counted in the MAPL telemetry
         stage.shape_message_bytes = SHAPE_MESSAGE_BYTES
     return stage
+
+
+def boundary_vq(cfg: MaplConfig, rank: int, seed: int, boundary: int) -> Optional[ResidualVQ]:
+    """The residual codebooks of one boundary of wire width ``rank`` (None without ``--mapl-vq-levels``); both
+    sides build them from the same seed."""
+    if not cfg.vq_levels:
+        return None
+    return ResidualVQ(
+        rank,
+        cfg.vq_levels,
+        cfg.vq_codes,
+        cfg.vq_decay,
+        cfg.vq_sync_rows,
+        cfg.vq_sync_tolerance,
+        seed=seed * 7919 + boundary,
+    )
 
 
 def start_mapl(stages: List[MaplStage], cfg: MaplConfig) -> "MaplSync":
