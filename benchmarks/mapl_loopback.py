@@ -69,10 +69,10 @@ from megatron_taco.codec.topk import TopKCodec
 from megatron_taco.config.mapl import WIRES, MaplConfig
 from megatron_taco.mapl.anchor_init import start_anchors_from_embedding
 from megatron_taco.mapl.boundary import BoundaryCodec
-from megatron_taco.mapl.stage import boundary_vq, step_projections_with
+from megatron_taco.mapl.stage import boundary_vq, step_projections_with, warmup_alpha
 from megatron_taco.mapl.stiefel import StiefelAdam, StiefelMomentumSGD
 from megatron_taco.mapl.vq import index_bytes
-from megatron_taco.mapl.wire import compression_ratio, fp8_wire_codec, wire_codec
+from megatron_taco.mapl.wire import WireRoundTrip, compression_ratio, fp8_wire_codec, wire_codec
 from megatron_taco.testing.distributed import run_distributed
 from megatron_taco.training.data import cache_stdlib_text, stdlib_text_batches
 from megatron_taco.training.model import ModelShape
@@ -143,14 +143,9 @@ class LoopbackBoundary(torch.nn.Module):
             if self.wire is not None:
                 wire = self.wire(wire)
             rebuilt = self.codec.reconstruct(wire, tokens, hidden.dtype, positions)
-            alpha = leak(self.steps, self.leak_steps)
+            alpha = warmup_alpha(self.steps, self.leak_steps)
             hidden = rebuilt if alpha == 0.0 else rebuilt + alpha * (hidden - rebuilt)
         return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
-
-
-def leak(steps: int, leak_steps: int) -> float:
-    """``+leakN``'s alpha after ``steps`` optimizer steps: 1 at the first step, falling linearly to 0 at N."""
-    return max(0.0, 1.0 - steps / leak_steps) if leak_steps else 0.0
 
 
 # Bits per value of z for the "+fp8" / "+int4*" variants: TACO's codec on z (forward) and dL/dz (backward), the
@@ -228,8 +223,8 @@ class Variant:
         """What z and dL/dz come out as after the wire (a function of z; None: z as it is, bf16)."""
         codec, grad_codec = self.wire_codec(hidden_size), self.grad_codec(hidden_size)
         if self.wire == "topk":  # the receiving stage keeps dL/dz on what arrived, as at PP=2 (``MaplStage``)
-            return lambda z: TopKCodec.support_only(_WireRoundTrip.apply(z, codec, grad_codec))
-        return None if codec is None else (lambda z: _WireRoundTrip.apply(z, codec, grad_codec))
+            return lambda z: TopKCodec.support_only(WireRoundTrip.apply(z, codec, grad_codec))
+        return None if codec is None else (lambda z: WireRoundTrip.apply(z, codec, grad_codec))
 
     def wire_ratio(self, hidden_size: int) -> float:
         """bf16 bytes of h over the wire bytes of z, per token (scales included, the message header not; forward:
@@ -240,7 +235,12 @@ class Variant:
 
     def mapl_config(self, hidden_size: int) -> MaplConfig:
         """MAPL's settings of this variant (INT4 aside, the loopback's own wire)."""
-        given = dict(anchor_rank=self.anchor_rank, lr=self.u_lr, vq_levels=self.vq_levels or None)
+        given = dict(
+            anchor_rank=self.anchor_rank,
+            lr=self.u_lr,
+            vq_levels=self.vq_levels or None,
+            warmup_steps=self.leak_steps or None,
+        )
         if self.wire in ("topk", "int5"):  # the flag's ratio sets k (r = d) or r
             given.update(ratio=self.ratio, wire=self.wire)
         else:
@@ -297,24 +297,6 @@ def _positive_float(text: str) -> bool:
         return float(text) > 0
     except ValueError:
         return False
-
-
-class _WireRoundTrip(torch.autograd.Function):
-    """z -> decode(encode(z)) forward, g -> decode(encode(g)) backward (``grad_codec``): what the r-wide P2P
-    messages of a compressed wire deliver in both directions."""
-
-    @staticmethod
-    def forward(ctx, z: torch.Tensor, codec, grad_codec) -> torch.Tensor:
-        ctx.grad_codec = grad_codec
-        return _round_trip(codec, z)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return _round_trip(ctx.grad_codec, grad), None, None
-
-
-def _round_trip(codec, x: torch.Tensor) -> torch.Tensor:
-    return codec.decompress(codec.compress(x), x.shape, x.dtype, validate=False)
 
 
 def train_config(shape: ModelShape, seed: int, steps: int, lr: float, warmup: int, micro_batch_size: int = 4,

@@ -29,7 +29,7 @@ from benchmarks.provenance import write_gpu_rows
 from megatron_taco.config.mapl import MaplConfig, auto_wire
 from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stiefel import StiefelMomentumSGD, householder_q, random_stiefel, retract_qr
-from megatron_taco.mapl.wire import wire_codec
+from megatron_taco.mapl.wire import round_trip, wire_codec
 
 SEQUENCE, MICRO_BATCH_SIZE, VOCAB = 2048, 4, 32000  # megatron_lm_check.py's GPT rows
 WARMUPS, TIMINGS = 3, 10
@@ -49,13 +49,6 @@ def _boundary(cfg: MaplConfig, hidden: int, rank: int, fp32_products: bool) -> B
         fp32_products=fp32_products,
     )
     return codec.bfloat16().cuda()
-
-
-def _round_trip(codec, x: torch.Tensor) -> torch.Tensor:
-    """What the wire delivers of x (x itself on the bf16 wire)."""
-    if codec is None:
-        return x
-    return codec.decompress(codec.compress(x), x.shape, x.dtype, validate=False)
 
 
 def time_step(hidden: int, ratio: float, products: str, micro_batches: int) -> dict:
@@ -82,7 +75,7 @@ def time_step(hidden: int, ratio: float, products: str, micro_batches: int) -> d
         for h in outputs:
             h = h.detach().requires_grad_()
             z = sender.project(h, tokens, positions)
-            sent.append((z, _round_trip(wire, z.detach())))
+            sent.append((z, round_trip(wire, z.detach())))
         events[1].record()
         rebuilt = []
         for _, arrived in sent:
@@ -92,7 +85,7 @@ def time_step(hidden: int, ratio: float, products: str, micro_batches: int) -> d
         returned = []
         for (arrived, h_hat), g in zip(rebuilt, grads):
             h_hat.backward(g)
-            returned.append(_round_trip(wire, arrived.grad))
+            returned.append(round_trip(wire, arrived.grad))
         events[3].record()
         for (z, _), dz in zip(sent, returned):
             z.backward(dz)

@@ -11,8 +11,6 @@ import torch
 from benchmarks.loss_compare import MODELS
 from benchmarks.mapl_loopback import (
     _parse,
-    _WireRoundTrip,
-    leak,
     main,
     subspace_distance,
     train_config,
@@ -21,7 +19,8 @@ from benchmarks.mapl_loopback import (
 from megatron_taco.codec import TacoCodec
 from megatron_taco.codec.narrow_int import NarrowIntCodec
 from megatron_taco.mapl.stiefel import random_stiefel
-from megatron_taco.mapl.wire import fp8_wire_codec
+from megatron_taco.mapl.stage import warmup_alpha
+from megatron_taco.mapl.wire import WireRoundTrip, fp8_wire_codec
 from megatron_taco.testing.distributed import run_distributed
 
 SHAPE = MODELS["gpt-tiny"]  # 4 layers, hidden 64, learned positions (position anchors on)
@@ -35,18 +34,31 @@ def _config():
     )
 
 
-@pytest.mark.parametrize("variant", ["8x", "8x+fp8", "8x+int5", "8x+topk", "8x+vq2"])
+@pytest.mark.parametrize(
+    "variant",
+    ["8x", "8x+fp8", "8x+int5", "8x+topk", "8x+vq2", "8x+leak3", "8x+int5+leak3", "8x+topk+leak3", "8x+vq2+leak3"],
+)
 def test_loopback_trains_like_pp2(variant):
     """``8x+fp8`` / ``8x+int5`` / ``8x+topk``: PP=2 with ``--mapl-wire fp8`` / ``int5`` / ``topk``
     (CodecWireCommunicator encodes z and dL/dz on send, decodes them on arrival; with topk the receiving stage keeps
-    dL/dz on what arrived) against the loopback's round trip of both through the same codec."""
+    dL/dz on what arrived) against the loopback's round trip of both through the same codec. ``+leak3``: PP=2 with
+    ``--mapl-warmup-steps 3`` (the sender sends h_rec + alpha (h - h_rec) d wide for 3 of the 6 steps, then z on the
+    wire) against the loopback's warm-up. After a warm-up, a quantized wire's rounding turns the float-order
+    differences of the two set-ups (<= 5e-8) into up to 1.2e-6 (INT5, observed): there the losses of the warm-up's
+    steps are held to fp32 rounding, the later ones to 5e-6 (without the warm-up's wire round trip on the sender the
+    warm-up's losses move by 6e-6 to 3e-5)."""
     pipeline = run_distributed(train_loopback, 2, _config(), variant, STEPS, DATA_SEED, EVAL_ITERS, "", 2, timeout=600)
     pipeline = pipeline[0]
     loopback = run_distributed(train_loopback, 1, _config(), variant, STEPS, DATA_SEED, EVAL_ITERS, timeout=600)[0]
     uncompressed = run_distributed(train_loopback, 1, _config(), "none", STEPS, DATA_SEED, EVAL_ITERS, timeout=600)[0]
     assert min(pipeline["grad_norms"]) > 0.05, pipeline["grad_norms"]  # clipping was active on every step
-    for a, b in zip(pipeline["train"] + [pipeline["valid"]], loopback["train"] + [loopback["valid"]]):
-        assert abs(a - b) <= 2e-7 * abs(a), (pipeline, loopback)  # fp32; <= 4.9e-8 observed
+    parsed = _parse(variant)
+    exact = parsed.leak_steps if parsed.leak_steps and parsed.wire != "bf16" else STEPS + 1
+    for step, (a, b) in enumerate(
+        zip(pipeline["train"] + [pipeline["valid"]], loopback["train"] + [loopback["valid"]])
+    ):
+        tolerance = 2e-7 if step < exact else 5e-6  # fp32: <= 4.9e-8 observed
+        assert abs(a - b) <= tolerance * abs(a), (step, pipeline, loopback)
     # and the boundary is there: the uncompressed model trains differently
     assert abs(uncompressed["valid"] - loopback["valid"]) > 1e-3, (uncompressed, loopback)
     assert pipeline["parameters"] == loopback["parameters"]  # both count the anchors once
@@ -55,8 +67,8 @@ def test_loopback_trains_like_pp2(variant):
 def test_the_leak_warm_up_starts_as_the_stock_model_and_fades_into_the_bottleneck():
     """``+leakN``: h_rec + alpha (h - h_rec) with alpha 1 at the first step, so that step is the stock model's
     (the anchors and U idle); alpha falls linearly and is 0 from step N on, where the run is MAPL's."""
-    assert [leak(s, 4) for s in (0, 1, 2, 4, 9)] == [1.0, 0.75, 0.5, 0.0, 0.0]
-    assert leak(3, 0) == 0.0  # no warm-up
+    assert [warmup_alpha(s, 4) for s in (0, 1, 2, 4, 9)] == [1.0, 0.75, 0.5, 0.0, 0.0]
+    assert warmup_alpha(3, 0) == 0.0  # no warm-up
     runs = {
         v: run_distributed(train_loopback, 1, _config(), v, STEPS, DATA_SEED, EVAL_ITERS, timeout=600)[0]
         for v in ("none", "8x", "8x+leak3")
@@ -131,7 +143,7 @@ def test_the_wire_round_trip_quantizes_z_forward_and_its_gradient_backward():
     grad = torch.randn(8, 2, 128, generator=gen).to(torch.bfloat16) * 1e-4
     codec = _parse("8x+fp8").wire_codec(512)
     leaf = z.clone().requires_grad_(True)
-    out = _WireRoundTrip.apply(leaf, codec, _parse("8x+fp8").grad_codec(512))
+    out = WireRoundTrip.apply(leaf, codec, _parse("8x+fp8").grad_codec(512))
     out.backward(grad)
     assert torch.equal(out, codec.decompress(codec.compress(z), z.shape, z.dtype))
     assert torch.equal(leaf.grad, codec.decompress(codec.compress(grad), grad.shape, grad.dtype))

@@ -64,6 +64,9 @@ class MaplConfig:
     vq_sync_rows: int = 0
     vq_sync_tolerance: float = 1e-3
     wire: str = "bf16"
+    # a warm-up into the bottleneck: for the first N iterations the receiver gets h_rec + alpha (h - h_rec), alpha
+    # from 1 down to 0 (d wide, uncompressed), then MAPL's wire (0: MAPL from the first iteration)
+    warmup_steps: int = 0
     # how --mapl-wire auto chose ``wire``, for the start-up line (None: the wire was given); not part of the setting
     wire_choice: Optional[str] = dataclasses.field(default=None, compare=False)
 
@@ -83,6 +86,8 @@ class MaplConfig:
             raise MaplConfigError(
                 f"--mapl-anchor-init: invalid value {self.anchor_init!r}; choose from {', '.join(ANCHOR_INITS)}"
             )
+        if self.warmup_steps < 0:
+            raise MaplConfigError(f"--mapl-warmup-steps: invalid value {self.warmup_steps}; must be >= 0 (0: off)")
         if self.context_anchors < 0:
             raise MaplConfigError(f"--mapl-context-anchors: invalid value {self.context_anchors}; must be >= 0")
         if self.context_anchors and (self.anchor_rank == 0 or self.fixed_projection):
@@ -90,6 +95,15 @@ class MaplConfig:
                 "--mapl-context-anchors needs token anchors (--mapl-anchor-rank > 0, no "
                 "--mapl-fixed-projection): the context tables share their basis"
             )
+
+    def describe_warmup(self) -> str:
+        """``--mapl-warmup-steps`` for the start-up lines ("" when off)."""
+        if not self.warmup_steps:
+            return ""
+        return (
+            f"; warm-up: iterations 0-{self.warmup_steps - 1} send h_rec + alpha (h - h_rec) d wide in the "
+            f"pipeline dtype, alpha 1 -> 0 (--mapl-warmup-steps {self.warmup_steps})"
+        )
 
     @property
     def uniform(self) -> bool:
@@ -264,6 +278,14 @@ def add_mapl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="also anchor the previous N tokens, a = (E[t_i] + sum_j C_j[t_(i-j)] (+ P[p])) B, with "
         "the C_j learned from zero (0: off)",
     )
+    group.add_argument(
+        "--mapl-warmup-steps",
+        type=int,
+        default=0,
+        help="a warm-up into the bottleneck: for the first N iterations each boundary sends h_rec + alpha (h - h_rec) "
+        "d wide and uncompressed (h_rec: what MAPL's wire would deliver; alpha falls linearly from 1 to 0), then z "
+        "on MAPL's wire (0: off)",
+    )
     group.add_argument("--mapl-lr", type=float, default=0.01, help="learning rate of the manifold optimizer")
     group.add_argument("--mapl-momentum", type=float, default=0.9, help="momentum of the manifold optimizer")
     group.add_argument(
@@ -376,6 +398,7 @@ def mapl_config_from_args(
                 "vq_decay",
                 "vq_sync_rows",
                 "vq_sync_tolerance",
+                "warmup_steps",
             )
             if getattr(args, f"mapl_{name}") != getattr(defaults, name)
         ]
@@ -452,4 +475,5 @@ def mapl_config_from_args(
         vq_sync_tolerance=args.mapl_vq_sync_tolerance,
         wire=wire,
         wire_choice=wire_choice,
+        warmup_steps=args.mapl_warmup_steps,
     )

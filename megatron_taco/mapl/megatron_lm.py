@@ -159,7 +159,7 @@ def attach(model: Any) -> Optional[str]:
                 f"{side} boundary {codec.boundary} at width {codec.rank} of {codec.hidden_size} "
                 f"({describe_compression(codec.hidden_size, codec.rank, codec.wire, dtype.itemsize)}{vq})"
             )
-    return "; ".join(parts + ([cfg.wire_choice] if cfg.wire_choice else []))
+    return "; ".join(parts + ([cfg.wire_choice] if cfg.wire_choice else [])) + cfg.describe_warmup()
 
 
 def _replace_everywhere(original: Callable, replacement: Callable) -> None:
@@ -200,6 +200,7 @@ def _patch_batch() -> None:
 
 
 def _patch_training() -> None:
+    from megatron.training import get_args
     from megatron.training import training as mlm_training
 
     from megatron_taco.mapl.stage import schedule_inputs, start_mapl
@@ -213,8 +214,6 @@ def _patch_training() -> None:
             _STATE["sync"] = start_mapl(_STATE["stages"], cfg)
         optimizer = build_optimizer(*args, **kwargs)
         if _STATE["sync"] is not None:
-            from megatron.training import get_args
-
             _STATE["sync"].follow_steps(optimizer, get_args().lr)
         return optimizer
 
@@ -238,10 +237,13 @@ def _patch_training() -> None:
 
         @functools.wraps(schedule)
         def forward_backward(*schedule_args, model, **schedule_kwargs):
-            if _STATE["sync"] is not None and not schedule_kwargs.get("forward_only", False):
-                _STATE["sync"].start_forward_backward()
+            sync = _STATE["sync"]
+            if sync is not None and not schedule_kwargs.get("forward_only", False):
+                sync.start_forward_backward()
+            # --mapl-warmup-steps: d wide until Megatron-LM's iteration count (a resumed run's too) passes it
+            warming = sync is not None and sync.warm_up(getattr(get_args(), "curr_iteration", 0))
             chunks = model if isinstance(model, list) else [model]
-            views, extra = schedule_inputs(chunks, cfg)
+            views, extra = schedule_inputs(chunks, cfg, warming)
             return schedule(
                 *schedule_args, model=views if isinstance(model, list) else views[0], **{**schedule_kwargs, **extra}
             )

@@ -43,7 +43,7 @@ from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stiefel import StiefelMomentumSGD
 from megatron_taco.mapl.telemetry import MAPL_TELEMETRY, SHAPE_MESSAGE_BYTES
 from megatron_taco.mapl.vq import ResidualVQ, packed_width
-from megatron_taco.mapl.wire import CodecWireCommunicator, IndexWireCommunicator, wire_codec
+from megatron_taco.mapl.wire import CodecWireCommunicator, IndexWireCommunicator, WireRoundTrip, wire_codec
 
 __all__ = [
     "CODEC_RANGE",
@@ -55,6 +55,7 @@ __all__ = [
     "start_mapl",
     "schedule_inputs",
     "step_projections_with",
+    "warmup_alpha",
 ]
 
 # Profiler range around MAPL's own work (projection, anchors, VQ, replica synchronisation): a profile
@@ -77,6 +78,8 @@ class MaplStage:
         self.send = send
         self.config = model.config
         self._received: Optional[torch.Tensor] = None
+        # --mapl-warmup-steps: the sender sends h_rec + alpha (h - h_rec) d wide while alpha > 0 (MaplSync.warm_up)
+        self.alpha = 0.0
         # bytes megatron-core sends before each tensor (its shape, in variable-shape mode), for the telemetry
         self.shape_message_bytes = 0
         # context anchors: (previous tokens n, the "before the start" row), alike at both boundaries of a stage
@@ -128,13 +131,16 @@ class MaplStage:
         training = torch.is_grad_enabled()  # validation's forward-only passes are not counted as traffic
         if self.recv is not None:
             with torch.profiler.record_function(CODEC_RANGE):
-                received = self.recv.dequantize(self._received) if self.recv.vq is not None else self._received
-                if isinstance(self.recv.wire, TopKCodec):  # dL/dz goes back at the k coordinates that arrived
-                    received = TopKCodec.support_only(received)
-                hidden = self.recv.reconstruct(received, tokens, dtype or self._received.dtype, positions, previous)
+                if self.alpha > 0.0:  # the warm-up's message is the hidden state itself
+                    hidden = self._received + self._touch_anchors(tokens, positions, previous)
+                else:
+                    received = self.recv.dequantize(self._received) if self.recv.vq is not None else self._received
+                    if isinstance(self.recv.wire, TopKCodec):  # dL/dz goes back at the k coordinates that arrived
+                        received = TopKCodec.support_only(received)
+                    hidden = self.recv.reconstruct(received, tokens, dtype or self._received.dtype, positions, previous)
             if training and self._received.requires_grad:
                 MAPL_TELEMETRY.watch_backward(
-                    self.recv.boundary, self._received, hidden, self.shape_message_bytes, self.recv.wire
+                    self.recv.boundary, self._received, hidden, self.shape_message_bytes, self._wire(self.recv)
                 )
             self._model_set_input_tensor(hidden)
         output = self._model_forward(input_ids, position_ids, attention_mask, **kwargs)
@@ -144,15 +150,53 @@ class MaplStage:
                 output = self.send.project(output, tokens, positions, previous)
                 if self.send.vq is not None:
                     output = self.send.quantize(output, dtype or output.dtype)
+                if self.alpha > 0.0:
+                    output = self._warm_up_message(activation, output, tokens, positions, previous)
             if training:  # with VQ the index wire sends the packed indices in place of the output
                 MAPL_TELEMETRY.record_forward(
                     self.send.boundary,
                     getattr(output, "mapl_indices", output),
                     activation,
                     self.shape_message_bytes,
-                    self.send.wire,
+                    self._wire(self.send),
                 )
         return output
+
+    def _wire(self, codec: BoundaryCodec):
+        """The codec of ``codec``'s P2P messages now (None: the pipeline dtype, as during the warm-up)."""
+        return None if self.alpha > 0.0 else codec.wire
+
+    def _warm_up_message(
+        self,
+        activation: torch.Tensor,
+        z: torch.Tensor,
+        tokens: torch.Tensor,
+        positions: Optional[torch.Tensor],
+        previous: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """--mapl-warmup-steps: h_rec + alpha (h - h_rec), d wide, where h_rec is what the receiver would rebuild
+        of ``z`` after MAPL's wire (the wire's round trip is made here, both directions, with this replica of the
+        boundary): alpha 1 sends h, alpha 0 would be MAPL itself."""
+        arrived = z if self.send.wire is None else WireRoundTrip.apply(z, self.send.wire, self.send.wire)
+        if isinstance(self.send.wire, TopKCodec):
+            arrived = TopKCodec.support_only(arrived)
+        rebuilt = self.send.reconstruct(arrived, tokens, activation.dtype, positions, previous)
+        return rebuilt + self.alpha * (activation - rebuilt)
+
+    def _touch_anchors(
+        self, tokens: torch.Tensor, positions: Optional[torch.Tensor], previous: Optional[torch.Tensor]
+    ) -> torch.Tensor:
+        """A zero that depends on every anchor parameter of the receiving replica (the anchors of no token): the
+        warm-up leaves them out of the forward, but megatron-core DDP's hooks must still see them, the parameter
+        all-gather's (``--overlap-param-gather``) and the gradient reduction's (``--overlap-grad-reduce`` issues a
+        bucket once each of its parameters got a gradient, here a zero one)."""
+        none = self.recv(
+            tokens[:0],
+            None if positions is None else positions[:0],
+            None if previous is None else previous[:, :0],
+            self._received.dtype,
+        )
+        return 0.0 if none is None else none.sum()
 
     def boundaries(self) -> List[BoundaryCodec]:
         return [b for b in (self.recv, self.send) if b is not None]
@@ -221,8 +265,9 @@ def _pair_groups() -> Dict[int, dist.ProcessGroup]:
 class MaplSync:
     """Keeps the two replicas of every boundary identical: summed gradients, identical updates."""
 
-    def __init__(self, stages: List[MaplStage], lr: float, momentum: float) -> None:
+    def __init__(self, stages: List[MaplStage], lr: float, momentum: float, warmup_steps: int = 0) -> None:
         self.stages = stages
+        self.warmup_steps = warmup_steps
         self.groups = _pair_groups()
         self.boundaries = [b for stage in stages for b in stage.boundaries()]
         # under SP each TP rank sees other tokens: U's gradient and the VQ statistics are summed over TP
@@ -345,6 +390,21 @@ class MaplSync:
             self.codebook_rows = self.codebook_step(updated)
 
         step_projections_with(optimizer, self.optimizer, self.trainable, base_lr, after_step=codebooks)
+
+    def warm_up(self, iteration: int) -> bool:
+        """``--mapl-warmup-steps``: every stage's alpha for ``iteration`` (the iterations done, from 0; a resumed
+        run passes its own); whether the boundaries still send d wide (:func:`schedule_inputs`' ``warming``). Says
+        so once, on global rank 0, when the warm-up ends."""
+        alpha = warmup_alpha(iteration, self.warmup_steps)
+        if alpha == 0.0 and any(stage.alpha > 0.0 for stage in self.stages) and dist.get_rank() == 0:
+            print(
+                f"megatron_taco: MAPL warm-up over after iteration {iteration} (--mapl-warmup-steps "
+                f"{self.warmup_steps}): z goes on MAPL's wire from now on",
+                flush=True,
+            )
+        for stage in self.stages:
+            stage.alpha = alpha
+        return alpha > 0.0
 
     def start_forward_backward(self) -> None:
         """A step's forward-backward begins: U's gradients and the VQ statistics start from zero, as Megatron-LM's
@@ -506,6 +566,12 @@ def _count_projections_in_grad_norm(optimizer: Any, boundaries: List[BoundaryCod
     setattr(target, name, with_projections)
 
 
+def warmup_alpha(iteration: int, warmup_steps: int) -> float:
+    """``--mapl-warmup-steps``' alpha after ``iteration`` iterations: 1 at the first, falling linearly to 0 at
+    ``warmup_steps`` (0: no warm-up)."""
+    return max(0.0, 1.0 - iteration / warmup_steps) if warmup_steps else 0.0
+
+
 def _variable_shapes(cfg: MaplConfig, config: Any) -> bool:
     """Whether the schedule's P2P sends each tensor's shape first: widths that differ per boundary, or a model
     config with ``variable_seq_lengths`` (set by custom model providers; Megatron-LM's parser sets it False)."""
@@ -581,20 +647,27 @@ def start_mapl(stages: List[MaplStage], cfg: MaplConfig) -> "MaplSync":
     boundaries = [b for stage in stages for b in stage.boundaries()]
     if cfg.anchor_init == "embedding" and cfg.anchor_rank > 0:
         start_anchors_from_embedding([stage.module for stage in stages], boundaries)
-    return MaplSync(stages, lr=cfg.lr, momentum=cfg.momentum)
+    return MaplSync(stages, lr=cfg.lr, momentum=cfg.momentum, warmup_steps=cfg.warmup_steps)
 
 
 _WIRE_COMMUNICATORS: Dict[tuple, CodecWireCommunicator] = {}
 
 
-def schedule_inputs(models: List[torch.nn.Module], cfg: MaplConfig) -> Tuple[List["ScheduleView"], Dict[str, Any]]:
+def schedule_inputs(
+    models: List[torch.nn.Module], cfg: MaplConfig, warming: bool = False
+) -> Tuple[List["ScheduleView"], Dict[str, Any]]:
     """The models as megatron-core's pipeline schedule must see them (P2P buffers of the wire width) and the
     extra schedule arguments (with VQ: the communicator that puts the indices on the forward wire; with
-    ``wire="fp8"`` / ``"int5"`` / ``"topk"``: the one that sends z and dL/dz as that wire's messages)."""
+    ``wire="fp8"`` / ``"int5"`` / ``"topk"``: the one that sends z and dL/dz as that wire's messages).
+    ``warming``: during ``--mapl-warmup-steps`` (``MaplSync.warm_up``) every message is d wide in the pipeline
+    dtype (megatron-core's own P2P)."""
     config = models[0].config
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     widths = cfg.wire_ranks(config.hidden_size, pp, config.virtual_pipeline_model_parallel_size)
-    views = [ScheduleView(m, max(widths), variable_shapes=_variable_shapes(cfg, config)) for m in models]
+    width = config.hidden_size if warming else max(widths)
+    views = [ScheduleView(m, width, variable_shapes=_variable_shapes(cfg, config)) for m in models]
+    if warming:
+        return views, {}
     if cfg.wire != "bf16":  # one per run: its codec caches headers, and it checks the first message's settings
         group = parallel_state.get_pipeline_model_parallel_group()
         key = (cfg, id(group), config.pipeline_dtype)

@@ -50,9 +50,11 @@ from megatron_taco.config.mapl import INT5_BITS, MaplConfig
 __all__ = [
     "CodecWireCommunicator",
     "IndexWireCommunicator",
+    "WireRoundTrip",
     "compression_ratio",
     "describe_compression",
     "fp8_wire_codec",
+    "round_trip",
     "wire_codec",
 ]
 
@@ -98,6 +100,28 @@ def describe_compression(hidden_size: int, rank: int, codec: Optional[MaplWireCo
     if isinstance(codec, NarrowIntCodec):
         return f"{ratio:.2f}x in bytes: z as INT{codec.bits} messages both ways"
     return f"{ratio:.2f}x in bytes: z as FP8 codec messages both ways"
+
+
+def round_trip(codec: Optional[MaplWireCodec], x: torch.Tensor) -> torch.Tensor:
+    """What the wire delivers of ``x``: one message of ``codec``, encoded and decoded (x itself on the bf16 wire)."""
+    if codec is None:
+        return x
+    return codec.decompress(codec.compress(x), x.shape, x.dtype, validate=False)
+
+
+class WireRoundTrip(torch.autograd.Function):
+    """z -> :func:`round_trip` (z) forward, g -> :func:`round_trip` (g) backward with ``grad_codec``: what the
+    r-wide P2P messages of a compressed wire deliver in both directions, on one rank (``--mapl-warmup-steps``'s
+    sender; the loopback study)."""
+
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, codec: MaplWireCodec, grad_codec: MaplWireCodec) -> torch.Tensor:
+        ctx.grad_codec = grad_codec
+        return round_trip(codec, z)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return round_trip(ctx.grad_codec, grad), None, None
 
 
 class CodecWireCommunicator(P2PCommunicator):

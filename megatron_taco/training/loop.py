@@ -270,10 +270,6 @@ class Trainer:
         self.config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
         self.config.grad_scale_func = self.optimizer.scale_loss
         self.step_count = 0
-        # megatron-core's own P2P and buffers unless MAPL needs r-wide ones (and, with VQ, the index wire)
-        self.schedule_models, self.schedule_comm = (
-            schedule_inputs(self.models, cfg.mapl) if cfg.mapl is not None else (self.models, {})
-        )
 
     boundary_codec = BoundaryCodec  # the codec class at every MAPL boundary (a study may put a variant here)
 
@@ -337,15 +333,22 @@ class Trainer:
     def _run_schedule(self, data_iterator, forward_only: bool):
         """One pass of megatron-core's pipeline schedule over ``num_microbatches``; the per-micro-batch losses."""
         cfg = self.cfg
+        # megatron-core's own P2P and buffers unless MAPL needs r-wide ones (and, with VQ, the index wire); d wide
+        # during MAPL's warm-up, whose alpha the steps taken set
+        models, comm = (
+            schedule_inputs(self.models, cfg.mapl, self.mapl_sync.warm_up(self.step_count))
+            if cfg.mapl is not None
+            else (self.models, {})
+        )
         return get_forward_backward_func()(
             forward_step_func=self._forward_step,
             data_iterator=self._iterators(data_iterator),
-            model=self.schedule_models,
+            model=models,
             num_microbatches=cfg.num_microbatches,
             seq_length=cfg.shape.seq_length,
             micro_batch_size=cfg.micro_batch_size,
             forward_only=forward_only,
-            **self.schedule_comm,
+            **comm,
         )
 
     def _share_loss(self, losses) -> float:
