@@ -140,6 +140,8 @@ MAPL = {
     "8-fp8": ["--mapl-ratio", "8", "--mapl-wire", "fp8"],
     "8-int5": ["--mapl-ratio", "8", "--mapl-wire", "int5"],
     "8-bf16": ["--mapl-ratio", "8", "--mapl-wire", "bf16"],
+    # the warm-up into the bottleneck: iterations 0-14 send h_rec + alpha (h - h_rec) d wide, then z on the wire
+    "8-warm15": ["--mapl-ratio", "8", "--mapl-warmup-steps", "15"],
 }
 
 
@@ -166,7 +168,8 @@ class Row:
     saved_mapl: str = ""
     mapl: str = (
         "none"  # none | 1 (--mapl-ratio 1: lossless, checks the plumbing) | 8 | 8-vq (--mapl-vq-levels 2) | 8-fixed
-        # | 8-topk (--mapl-wire topk) | 8-fp8 (--mapl-wire fp8) | 8-int5 (--mapl-wire int5) | 8-bf16 (--mapl-wire bf16);
+        # | 8-topk (--mapl-wire topk) | 8-fp8 (--mapl-wire fp8) | 8-int5 (--mapl-wire int5) | 8-bf16 (--mapl-wire bf16)
+        # | 8-warm15 (--mapl-warmup-steps 15);
         # "8" takes the default wire (auto: with --bf16 the wire of most rank, int5 at hidden 2048; rows of "8" ran
         # fp8 from 2026-12-06 until auto chose int5 (9910965, 2026-12-07), bf16 before)
     )
@@ -287,6 +290,7 @@ ROWS = [
     # the 5-bit wire: 1.5x the FP8 wire's rank at no more bytes (a lead: 16x -0.87% against FP8, 5 seeds)
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8-int5", repeats=3),
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8-bf16", repeats=3),  # the default before auto
+    _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8-warm15"),  # d wide for 15 of the 20 iterations
     # diagnostic: a fixed U and no anchors have no replica sync (where does the time go?)
     _row("socket", "gpt", "te", "bf16", "none", pipeline=2, mapl="8-fixed"),
     # 10 iterations, save (torch_dist), load, 10 more: the loss should follow the uninterrupted mapl8 row
@@ -328,6 +332,9 @@ ROWS = [
     # 2026-12-06) loaded by a run of the default wire: the load stops with one line naming the flags it was saved with
     _row(ONE_GPU, "gpt", "te", "bf16", "none", pipeline=2, mapl="8", resume=True),
     _row(ONE_GPU, "gpt", "te", "bf16", "none", pipeline=2, mapl="8", resume=True, saved_mapl="8-bf16"),
+    # the warm-up: d wide until iteration 15 of 20 (the log says when it ends), and resumed at 10, inside it
+    _row(ONE_GPU, "gpt", "te", "bf16", "none", pipeline=2, mapl="8-warm15"),
+    _row(ONE_GPU, "gpt", "te", "bf16", "none", pipeline=2, mapl="8-warm15", resume=True),
 ]
 SUITES = {
     "smoke": [
@@ -465,7 +472,8 @@ def parse_log(text: str) -> Dict:
         "losses": losses,
         "telemetry": last("taco total:"),
         "attached": last("megatron_taco: TACO"),
-        "mapl_attached": last("megatron_taco: MAPL"),
+        "mapl_attached": last("megatron_taco: MAPL ("),
+        "mapl_warmup": last("megatron_taco: MAPL warm-up over"),
         "mapl_telemetry": last("mapl total over"),
         "link_policy": last("--taco-min-bytes auto:"),
         "megatron": last("megatron_taco: megatron-core"),
@@ -686,7 +694,7 @@ def write_report(results: List[Dict], path: str, meta: Dict) -> None:
     if policies:
         out += ["", "Link policy decisions (`--taco-min-bytes auto`, printed by rank 0):", ""]
         out += [f"- `{p}`" for p in policies]
-    attached = sorted({r[key] for r in results for key in ("attached", "mapl_attached") if r.get(key)})
+    attached = sorted({r[key] for r in results for key in ("attached", "mapl_attached", "mapl_warmup") if r.get(key)})
     if attached:
         out += ["", "Start-up lines:", ""] + [f"- `{a}`" for a in attached]
     with open(path, "w") as f:

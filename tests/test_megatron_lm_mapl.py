@@ -204,6 +204,7 @@ def _megatron_lm_steps(
     losses, shapes = [], []
     u_start = [c.projection.detach().clone() for c in codecs]
     for step in range(steps):
+        args.curr_iteration = step  # as Megatron-LM's train loop sets it before each step
         # train_step's loop: `while rerun_state_machine.should_run_forward_backward(data_iterator)`
         for _ in range(2 if step in rerun_steps else 1):
             for chunk in chunks:
@@ -376,6 +377,26 @@ def test_the_distributed_optimizer_trains_mapl_like_ddp_and_keeps_the_pairs_anch
     if overlap:  # the receiver reads its anchors first thing in the step, long before its bucket's other params
         assert all(result["anchor_reads_in_flight"] == 0 for result in sharded)
         assert sharded[world // 2]["anchor_reads"] > 0
+
+
+def test_the_warm_up_sends_d_wide_then_z_and_trains_like_ddp_under_the_overlapped_distributed_optimizer():
+    """--mapl-warmup-steps 2 at PP=2 x DP=2: Megatron-LM's iterations 0 and 1 send h_rec + alpha (h - h_rec) d wide
+    (32) both ways, 2 and 3 z (r = 4); the first step's loss is the stock model's (alpha 1: the receiver gets h);
+    under the DistributedOptimizer with --overlap-grad-reduce and --overlap-param-gather (the receiver's anchors,
+    idle in the warm-up, still join their buckets) it trains like plain DDP and every anchor replica stays equal."""
+    flags = ["--mapl-ratio", "8", "--mapl-warmup-steps", "2", "--mapl-wire", "bf16"]
+    plain = run_distributed(_megatron_lm_steps, 4, [], 1, timeout=240)
+    ddp = run_distributed(_megatron_lm_steps, 4, flags, 4, timeout=240)
+    sharded = run_distributed(_megatron_lm_steps, 4, flags, 4, distributed_optimizer=True, overlap=True, timeout=240)
+    for rank in range(4):
+        assert sharded[rank]["p2p_shapes"] == [(SEQ, MICRO_BATCH, 32)] * 2 + [(SEQ, MICRO_BATCH, 4)] * 2
+        assert sharded[rank]["losses"] == pytest.approx(ddp[rank]["losses"], rel=1e-6)
+    assert sharded[2]["losses"][0] == pytest.approx(plain[2]["losses"][0], rel=1e-6)
+    tables = [{k.split(".", 1)[1]: v for k, v in result["saved"].items()} for result in sharded]
+    for name in ("anchor_embedding", "anchor_basis", "anchor_position", "projection"):
+        assert all(torch.equal(tables[0][name], table[name]) for table in tables), name
+    assert min(sharded[0]["u_moved"]) > 1e-4
+    assert all(result["anchor_reads_in_flight"] == 0 for result in sharded)
 
 
 def test_the_distributed_optimizer_in_bf16_keeps_every_anchor_replica_equal():

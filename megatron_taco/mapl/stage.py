@@ -350,8 +350,9 @@ class MaplSync:
             pair = self.groups[boundary.boundary]
             if boundary.trainable:
                 grad = boundary.projection.grad
-                # autograd may leave a transposed (non-contiguous) gradient; collectives need contiguous
-                grad = torch.zeros_like(boundary.projection) if grad is None else grad.contiguous()
+                # autograd may leave a transposed (non-contiguous) gradient, and U itself is column-major (QR's):
+                # collectives need both replicas' gradients contiguous (gloo sums the memory in order)
+                grad = (torch.zeros_like(boundary.projection) if grad is None else grad).contiguous()
                 boundary.projection.grad = grad
                 if self.sequence_parallel:
                     dist.all_reduce(grad, group=tp_group)
