@@ -106,8 +106,9 @@ def test_trainer_trains_with_taco_and_resumes_to_the_same_losses(config, tmp_pat
     [
         ["--mapl-ratio", "4", "--mapl-context-anchors", "1"],
         ["--mapl-ratio", "4", "--mapl-vq-levels", "2", "--mapl-vq-codes", "32", "--mapl-vq-sync-rows", "8"],
+        ["--mapl-ratio", "4", "--mapl-warmup-steps", "3"],  # saved at step 2, inside the warm-up
     ],
-    ids=["mapl-context-anchors", "mapl-vq"],
+    ids=["mapl-context-anchors", "mapl-vq", "mapl-warmup"],
 )
 def test_trainer_trains_pp2_with_mapl_and_resumes(mapl, tmp_path):
     path = os.path.join(ROOT, "configs", "gpt-tiny.yaml")

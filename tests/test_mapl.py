@@ -612,6 +612,7 @@ def _parse(argv):
         (["--mapl-ratio", "4", "--mapl-vq-levels", "2", "--mapl-vq-sync-tolerance", "-1"], "--mapl-vq-sync-tolerance"),
         (["--mapl-ratio", "4", "--mapl-position-anchors", "on", "--mapl-anchor-rank", "0"], "--mapl-position-anchors"),
         (["--mapl-ratio", "4", "--mapl-context-anchors", "-1"], "--mapl-context-anchors: invalid value -1"),
+        (["--mapl-ratio", "4", "--mapl-warmup-steps", "-5"], "--mapl-warmup-steps: invalid value -5"),
         (
             ["--mapl-ratio", "4", "--mapl-context-anchors", "2", "--mapl-anchor-rank", "0"],
             "--mapl-context-anchors needs token anchors",
@@ -638,6 +639,7 @@ def test_invalid_mapl_flags_name_the_flag(argv, flag):
         (["--mapl-anchor-init", "random"], "--mapl-anchor-init"),
         (["--mapl-context-anchors", "1"], "--mapl-context-anchors"),
         (["--mapl-wire", "fp8"], "--mapl-wire"),
+        (["--mapl-warmup-steps", "100"], "--mapl-warmup-steps"),
     ],
 )
 def test_mapl_flags_without_a_rank_are_rejected(argv, named):
