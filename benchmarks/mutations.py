@@ -171,10 +171,34 @@ MUTATIONS = [  # (what, file, text, replaced by, tests, -k) or file None: SCALE_
     (
         "schedule sees d-wide buffers",
         "megatron_taco/mapl/megatron_lm.py",
-        "            views, extra = schedule_inputs(chunks, cfg)",
+        "            views, extra = schedule_inputs(chunks, cfg, warming)",
         "            views, extra = chunks, {}",
         "tests/test_megatron_lm_mapl.py",
         "",
+    ),
+    (
+        "the warm-up's sender leaves out MAPL's wire round trip",
+        "megatron_taco/mapl/stage.py",
+        "arrived = z if self.send.wire is None else WireRoundTrip.apply(z, self.send.wire, self.send.wire)",
+        "arrived = z",
+        "tests/test_mapl_loopback.py",
+        "leak",
+    ),
+    (
+        "the warm-up's receiver leaves its anchors out of megatron-core DDP's hooks",
+        "megatron_taco/mapl/stage.py",
+        "hidden = self._received + self._touch_anchors(tokens, positions, previous)",
+        "hidden = self._received",
+        "tests/test_megatron_lm_mapl.py",
+        "warm_up",
+    ),
+    (
+        "the pair sums U's gradient in U's column-major layout where a replica has none",
+        "megatron_taco/mapl/stage.py",
+        "grad = (torch.zeros_like(boundary.projection) if grad is None else grad).contiguous()",
+        "grad = torch.zeros_like(boundary.projection) if grad is None else grad.contiguous()",
+        "tests/test_megatron_lm_mapl.py",
+        "warm_up",
     ),
     (
         "interleaved chunks not counted at parse time",
@@ -243,8 +267,9 @@ MUTATIONS = [  # (what, file, text, replaced by, tests, -k) or file None: SCALE_
     (
         "a module without __all__",
         "megatron_taco/mapl/wire.py",
-        '__all__ = [\n    "CodecWireCommunicator",\n    "IndexWireCommunicator",\n    "compression_ratio",\n'
-        '    "describe_compression",\n    "fp8_wire_codec",\n    "wire_codec",\n]\n',
+        '__all__ = [\n    "CodecWireCommunicator",\n    "IndexWireCommunicator",\n    "WireRoundTrip",\n'
+        '    "compression_ratio",\n    "describe_compression",\n    "fp8_wire_codec",\n    "round_trip",\n'
+        '    "wire_codec",\n]\n',
         "",
         "tests/test_style.py",
         "",
