@@ -144,7 +144,7 @@ class LoopbackBoundary(torch.nn.Module):
                 wire = self.wire(wire)
             rebuilt = self.codec.reconstruct(wire, tokens, hidden.dtype, positions)
             alpha = warmup_alpha(self.steps, self.leak_steps)
-            hidden = rebuilt if alpha == 0.0 else rebuilt + alpha * (hidden - rebuilt)
+            hidden = rebuilt if alpha == 0.0 else torch.lerp(rebuilt, hidden, alpha)  # as MaplStage's warm-up
         return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
 

@@ -711,3 +711,13 @@ def test_invalid_mapl_combinations_with_the_model_are_rejected():
     assert not TrainConfig(TINY_GPT, pipeline_parallel=2, mapl=MaplConfig(ratio=4, anchor_rank=0)).mapl_position_anchors
     assert _parse(["--mapl-ratio", "4", "--mapl-position-anchors", "on"]).position_anchors is True
     assert _parse(["--mapl-ratio", "4", "--mapl-position-anchors", "off"]).position_anchors is False
+
+
+def test_a_warm_up_as_long_as_the_run_is_rejected_naming_both_flags():
+    """--mapl-warmup-steps >= --train-iters would never compress: one line naming both flags; one step fewer runs."""
+    parser = add_mapl_args(argparse.ArgumentParser())
+    parser.add_argument("--train-iters", type=int)
+    argv = ["--mapl-ratio", "4", "--train-iters", "20", "--mapl-warmup-steps"]
+    with pytest.raises(MaplConfigError, match=r"^--mapl-warmup-steps 20 with --train-iters 20: the warm-up would take"):
+        mapl_config_from_args(parser.parse_args(argv + ["20"]))
+    assert mapl_config_from_args(parser.parse_args(argv + ["19"])).warmup_steps == 19

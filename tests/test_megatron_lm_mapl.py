@@ -399,6 +399,19 @@ def test_the_warm_up_sends_d_wide_then_z_and_trains_like_ddp_under_the_overlappe
     assert all(result["anchor_reads_in_flight"] == 0 for result in sharded)
 
 
+def test_the_warm_up_counts_megatron_lms_iterations_done_in_training_validation_and_skip_train():
+    """Megatron-LM (core_r0.19.0 ``training.py``) sets ``args.curr_iteration`` before each training step to the
+    iterations done, and validates after the step's ``iteration += 1`` with it unchanged; ``--skip-train`` sets none
+    and validates the checkpoint at ``args.iteration``: the warm-up's alpha must follow the iterations done."""
+    from argparse import Namespace
+
+    from megatron_taco.mapl.megatron_lm import iterations_done
+
+    assert iterations_done(Namespace(curr_iteration=3, iteration=0), forward_only=False) == 3
+    assert iterations_done(Namespace(curr_iteration=3, iteration=0), forward_only=True) == 4
+    assert iterations_done(Namespace(iteration=7), forward_only=True) == 7
+
+
 def test_the_distributed_optimizer_in_bf16_keeps_every_anchor_replica_equal():
     """bf16 as Megatron-LM runs it (Float16Module, bf16 gradient buffers): every replica of U and of the anchor tables
     bit-equal after 3 steps (without the owners' gather the pair's tables drifted by 0.049), and the losses within

@@ -101,7 +101,7 @@ class MaplConfig:
         if not self.warmup_steps:
             return ""
         return (
-            f"; warm-up: iterations 0-{self.warmup_steps - 1} send h_rec + alpha (h - h_rec) d wide in the "
+            f"; warm-up: the first {self.warmup_steps} iterations send h_rec + alpha (h - h_rec) d wide in the "
             f"pipeline dtype, alpha 1 -> 0 (--mapl-warmup-steps {self.warmup_steps})"
         )
 
@@ -284,7 +284,7 @@ def add_mapl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=0,
         help="a warm-up into the bottleneck: for the first N iterations each boundary sends h_rec + alpha (h - h_rec) "
         "d wide and uncompressed (h_rec: what MAPL's wire would deliver; alpha falls linearly from 1 to 0), then z "
-        "on MAPL's wire (0: off)",
+        "on MAPL's wire (0: off); validation during the warm-up sees the same blend",
     )
     group.add_argument("--mapl-lr", type=float, default=0.01, help="learning rate of the manifold optimizer")
     group.add_argument("--mapl-momentum", type=float, default=0.9, help="momentum of the manifold optimizer")
@@ -438,6 +438,12 @@ def mapl_config_from_args(
         raise MaplConfigError(f"--mapl-lr: invalid value {args.mapl_lr:g}; must be > 0")
     if not 0 <= args.mapl_momentum < 1:
         raise MaplConfigError(f"--mapl-momentum: invalid value {args.mapl_momentum:g}; must be in [0, 1)")
+    train_iters = getattr(args, "train_iters", None)
+    if args.mapl_warmup_steps and train_iters and args.mapl_warmup_steps >= train_iters:
+        raise MaplConfigError(
+            f"--mapl-warmup-steps {args.mapl_warmup_steps} with --train-iters {train_iters}: the warm-up would take "
+            "the whole run and MAPL would never compress; use fewer warm-up steps than --train-iters"
+        )
     if args.mapl_vq_levels < 0:
         raise MaplConfigError(f"--mapl-vq-levels: invalid value {args.mapl_vq_levels}; must be >= 0 (0: no VQ)")
     if not 2 <= args.mapl_vq_codes <= 65535:

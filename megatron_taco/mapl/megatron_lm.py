@@ -14,7 +14,8 @@ places in Megatron-LM where each of its steps belongs:
   with the step) and the VQ codebook step (``MaplSync.follow_steps``);
 - gradients: ``finalize_model_grads`` is followed by MAPL's sums over TP, DP and the boundary pair;
 - the schedule: the function ``get_forward_backward_func`` returns is called with :func:`schedule_inputs`
-  (r-wide P2P buffers; with VQ the index wire), U's gradients and the VQ statistics zeroed before a training run of
+  (r-wide P2P buffers; with VQ the index wire; d wide during ``--mapl-warmup-steps``, counted in Megatron-LM's
+  iterations: :func:`iterations_done`), U's gradients and the VQ statistics zeroed before a training run of
   it (as ``train_step`` zeroes the others: its rerun state machine may run a step twice);
 - the log: MAPL's traffic lines every ``--log-interval`` iterations (stdout and TensorBoard).
 
@@ -241,7 +242,8 @@ def _patch_training() -> None:
             if sync is not None and not schedule_kwargs.get("forward_only", False):
                 sync.start_forward_backward()
             # --mapl-warmup-steps: d wide until Megatron-LM's iteration count (a resumed run's too) passes it
-            warming = sync is not None and sync.warm_up(getattr(get_args(), "curr_iteration", 0))
+            forward_only = schedule_kwargs.get("forward_only", False)
+            warming = sync is not None and sync.warm_up(iterations_done(get_args(), forward_only))
             chunks = model if isinstance(model, list) else [model]
             views, extra = schedule_inputs(chunks, cfg, warming)
             return schedule(
@@ -253,6 +255,16 @@ def _patch_training() -> None:
     _replace_everywhere(build_optimizer, get_megatron_optimizer)
     _replace_everywhere(finalize, finalize_model_grads)
     _replace_everywhere(get_schedule, get_forward_backward_func)
+
+
+def iterations_done(args: argparse.Namespace, forward_only: bool) -> int:
+    """Megatron-LM's iterations done when its schedule runs: a training step runs with ``args.curr_iteration``
+    done; an evaluation runs after the step that set it (the validation every ``--eval-interval``, the final one),
+    so one more; with ``--skip-train`` no training loop sets it and the loaded checkpoint's ``args.iteration``
+    counts."""
+    if getattr(args, "curr_iteration", None) is None:
+        return getattr(args, "iteration", 0)
+    return args.curr_iteration + int(forward_only)
 
 
 def install() -> None:

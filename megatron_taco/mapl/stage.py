@@ -6,7 +6,9 @@ One entry point for every way of use (the trainer, the Megatron-LM launcher and 
 - :func:`start_mapl` once all chunks exist, before the optimizer: anchors from the embedding, pair groups,
   settings check; returns the :class:`MaplSync` that runs after the backward and after the optimizer step;
 - :func:`schedule_inputs` for every call of megatron-core's pipeline schedule: the models as the schedule
-  must see them (r-wide P2P) and, with VQ or the FP8 wire, the communicator that puts it on the wire.
+  must see them (r-wide P2P) and, with VQ or the FP8 wire, the communicator that puts it on the wire;
+  ``--mapl-warmup-steps`` (:meth:`MaplSync.warm_up` before each call): d-wide messages, h_rec + alpha (h - h_rec),
+  for the first N iterations.
 
 :class:`MaplStage` changes its GPTModel in place: on a stage that receives, the
 r-wide tensor handed over by the schedule (``set_input_tensor``) is rebuilt to
@@ -176,12 +178,13 @@ class MaplStage:
     ) -> torch.Tensor:
         """--mapl-warmup-steps: h_rec + alpha (h - h_rec), d wide, where h_rec is what the receiver would rebuild
         of ``z`` after MAPL's wire (the wire's round trip is made here, both directions, with this replica of the
-        boundary): alpha 1 sends h, alpha 0 would be MAPL itself."""
+        boundary; with VQ z holds the codebook values in the pipeline dtype): alpha 1 sends h, alpha 0 would be MAPL
+        itself."""
         arrived = z if self.send.wire is None else WireRoundTrip.apply(z, self.send.wire, self.send.wire)
         if isinstance(self.send.wire, TopKCodec):
             arrived = TopKCodec.support_only(arrived)
         rebuilt = self.send.reconstruct(arrived, tokens, activation.dtype, positions, previous)
-        return rebuilt + self.alpha * (activation - rebuilt)
+        return torch.lerp(rebuilt, activation, self.alpha)  # exactly h at alpha 1, h_rec at 0
 
     def _touch_anchors(
         self, tokens: torch.Tensor, positions: Optional[torch.Tensor], previous: Optional[torch.Tensor]
@@ -399,7 +402,7 @@ class MaplSync:
         alpha = warmup_alpha(iteration, self.warmup_steps)
         if alpha == 0.0 and any(stage.alpha > 0.0 for stage in self.stages) and dist.get_rank() == 0:
             print(
-                f"megatron_taco: MAPL warm-up over after iteration {iteration} (--mapl-warmup-steps "
+                f"megatron_taco: MAPL warm-up over after {iteration} iterations (--mapl-warmup-steps "
                 f"{self.warmup_steps}): z goes on MAPL's wire from now on",
                 flush=True,
             )
