@@ -96,13 +96,19 @@ class MaplConfig:
                 "--mapl-fixed-projection): the context tables share their basis"
             )
 
-    def describe_warmup(self) -> str:
-        """``--mapl-warmup-steps`` for the start-up lines ("" when off)."""
+    def describe_warmup(self, train_iters: Optional[int] = None) -> str:
+        """``--mapl-warmup-steps`` for the start-up lines ("" when off); says so when a run of ``train_iters``
+        iterations ends inside it (a run that a later one resumes with more may do that on purpose)."""
         if not self.warmup_steps:
             return ""
+        inside = (
+            f"; --train-iters {train_iters} ends inside the warm-up: this run never compresses"
+            if train_iters and train_iters <= self.warmup_steps
+            else ""
+        )
         return (
             f"; warm-up: the first {self.warmup_steps} iterations send h_rec + alpha (h - h_rec) d wide in the "
-            f"pipeline dtype, alpha 1 -> 0 (--mapl-warmup-steps {self.warmup_steps})"
+            f"pipeline dtype, alpha 1 -> 0 (--mapl-warmup-steps {self.warmup_steps}){inside}"
         )
 
     @property
@@ -438,12 +444,6 @@ def mapl_config_from_args(
         raise MaplConfigError(f"--mapl-lr: invalid value {args.mapl_lr:g}; must be > 0")
     if not 0 <= args.mapl_momentum < 1:
         raise MaplConfigError(f"--mapl-momentum: invalid value {args.mapl_momentum:g}; must be in [0, 1)")
-    train_iters = getattr(args, "train_iters", None)
-    if args.mapl_warmup_steps and train_iters and args.mapl_warmup_steps >= train_iters:
-        raise MaplConfigError(
-            f"--mapl-warmup-steps {args.mapl_warmup_steps} with --train-iters {train_iters}: the warm-up would take "
-            "the whole run and MAPL would never compress; use fewer warm-up steps than --train-iters"
-        )
     if args.mapl_vq_levels < 0:
         raise MaplConfigError(f"--mapl-vq-levels: invalid value {args.mapl_vq_levels}; must be >= 0 (0: no VQ)")
     if not 2 <= args.mapl_vq_codes <= 65535:

@@ -160,7 +160,9 @@ def attach(model: Any) -> Optional[str]:
                 f"{side} boundary {codec.boundary} at width {codec.rank} of {codec.hidden_size} "
                 f"({describe_compression(codec.hidden_size, codec.rank, codec.wire, dtype.itemsize)}{vq})"
             )
-    return "; ".join(parts + ([cfg.wire_choice] if cfg.wire_choice else [])) + cfg.describe_warmup()
+    return "; ".join(parts + ([cfg.wire_choice] if cfg.wire_choice else [])) + cfg.describe_warmup(
+        get_args().train_iters
+    )
 
 
 def _replace_everywhere(original: Callable, replacement: Callable) -> None:
