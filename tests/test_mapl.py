@@ -512,13 +512,16 @@ def test_position_anchors_train_identically_on_both_sides_under_sequence_paralle
     assert all(torch.equal(results[r]["context_anchors"][0], context) for r in holders[1:])
 
 
-def _train_interleaved(steps):
-    cfg = TrainConfig(TINY_GPT, pipeline_parallel=2, virtual_pipeline=2, lr=3e-3, mapl=MaplConfig(ratio=4))
+def _train_interleaved(steps, warmup_steps=0):
+    mapl = MaplConfig(ratio=4, warmup_steps=warmup_steps)
+    cfg = TrainConfig(TINY_GPT, pipeline_parallel=2, virtual_pipeline=2, lr=3e-3, mapl=mapl)
     trainer = Trainer(cfg)
     streams = [synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, 2, seed=1) for _ in range(2)]
-    with recording_p2p() as recorded:
-        losses = [trainer.train_step(streams)["loss"] for _ in range(steps)]
-    shapes = [shape for _, _, shape in recorded]
+    losses, shapes = [], []
+    for _ in range(steps):
+        with recording_p2p() as recorded:
+            losses.append(trainer.train_step(streams)["loss"])
+        shapes.append([shape for _, _, shape in recorded])
     projections = {b.boundary: b.projection.detach().clone() for b in trainer.mapl_boundaries}
     trainer.close()
     return losses, projections, shapes
@@ -530,7 +533,21 @@ def test_interleaved_schedule_carries_r_wide_tensors_at_every_boundary():
     # 2 stages x 2 chunks: boundaries 0, 1, 2 (positions 0-1, 1-2, 2-3), each held by both ranks
     assert sorted(u0) == sorted(u1) == [0, 1, 2]
     assert all(torch.equal(u0[b], u1[b]) for b in u0)
-    assert shapes0 and all(s[-1] == TINY_GPT.hidden_size // 4 for s in shapes0 + shapes1)
+    sent = [shape for step in shapes0 + shapes1 for shape in step]
+    assert sent and all(s[-1] == TINY_GPT.hidden_size // 4 for s in sent)
+    assert losses[-1] < losses[0]
+
+
+def test_the_warm_up_sends_d_wide_at_every_interleaved_boundary_then_r_wide():
+    """--mapl-warmup-steps 3 with 2 stages x 2 chunks: all three boundaries send h_rec + alpha (h - h_rec) d wide in
+    steps 0-2 and z r wide from step 3 on (each step the same messages), every replica of U stays equal, it trains."""
+    results = run_distributed(_train_interleaved, 2, 8, 3, timeout=300)
+    (losses, u0, shapes0), (_, u1, shapes1) = results
+    d, r = TINY_GPT.hidden_size, TINY_GPT.hidden_size // 4
+    for shapes in (shapes0, shapes1):
+        assert all(step and {s[-1] for s in step} == {d} for step in shapes[:3]), shapes
+        assert all(len(step) == len(shapes[0]) and {s[-1] for s in step} == {r} for step in shapes[3:]), shapes
+    assert sorted(u0) == sorted(u1) == [0, 1, 2] and all(torch.equal(u0[b], u1[b]) for b in u0)
     assert losses[-1] < losses[0]
 
 
