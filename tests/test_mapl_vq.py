@@ -93,6 +93,26 @@ def test_non_finite_tokens_decode_to_nan_and_stay_out_of_the_statistics():
     assert torch.isfinite(vq.step_sum).all()
 
 
+def test_the_warm_ups_z_q_is_what_the_receiver_decodes_and_passes_zs_gradient():
+    """--mapl-warmup-steps with VQ: the sender rebuilds h_rec itself from z_q, so z_q must be the receiver's
+    (``dequantize``: fp32 codebook sums) bit for bit, not z_q rounded to a bf16 pipeline's dtype; the gradient goes
+    to z unchanged (straight-through). On the index wire z_q stays in the pipeline dtype with its indices."""
+    from megatron_taco.mapl.boundary import BoundaryCodec
+
+    codec = BoundaryCodec(hidden_size=64, rank=16, vocab_size=50, anchor_rank=0, seed=3, boundary=0, vq=_quantizer())
+    z = (torch.randn(4, 2, 16) * 3).to(torch.bfloat16).requires_grad_()
+    _fit(codec.vq, torch.randn(256, 16) * 3, 3)  # codebooks that are not all zero
+    indices, decoded = codec.vq.encode(z, record=False)
+    warm = codec.quantize(z, None)
+    assert warm.dtype == torch.float32 and torch.equal(warm, decoded) and not hasattr(warm, "mapl_indices")
+    assert not torch.equal(decoded.to(torch.bfloat16).float(), decoded)  # the rounding the warm-up must not add
+    gradient = torch.randn(4, 2, 16)
+    warm.backward(gradient)
+    assert torch.equal(z.grad, gradient.to(torch.bfloat16))
+    wired = codec.quantize(z, torch.bfloat16)
+    assert wired.dtype == torch.bfloat16 and torch.equal(unpack_indices(wired.mapl_indices, 2, 32), indices)
+
+
 def _train_vq(steps, mapl, tp=1, pp=2, sp=False):
     cfg = TrainConfig(TINY_GPT, tensor_parallel=tp, pipeline_parallel=pp, sequence_parallel=sp, lr=3e-3, mapl=mapl)
     trainer = Trainer(cfg)

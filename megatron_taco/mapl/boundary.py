@@ -138,9 +138,13 @@ class BoundaryCodec(torch.nn.Module):
         centred = hidden.to(compute_dtype) if anchors is None else hidden.to(compute_dtype) - anchors
         return (centred @ self.projection.to(compute_dtype)).to(hidden.dtype)
 
-    def quantize(self, z: torch.Tensor, wire_dtype: torch.dtype) -> torch.Tensor:
-        """Sender with VQ: z_q (value) with z's gradient, its packed indices attached as ``mapl_indices``."""
+    def quantize(self, z: torch.Tensor, wire_dtype: Optional[torch.dtype]) -> torch.Tensor:
+        """Sender with VQ: z_q (value) with z's gradient, its packed indices attached as ``mapl_indices`` for the
+        index wire in ``wire_dtype``; ``None`` (``--mapl-warmup-steps``: no indices go on a wire): z_q in fp32,
+        exactly as the receiver decodes it, and no indices."""
         indices, quantized = self.vq.encode(z, record=torch.is_grad_enabled() and self.training)
+        if wire_dtype is None:
+            return quantized + (z.float() - z.float().detach())  # the value z_q exactly, the gradient z's
         output = z + (quantized.to(z.dtype) - z).detach()  # straight-through: dL/dz = dL/dz_q
         output.mapl_indices = pack_indices(indices, self.vq.codes, wire_dtype)
         return output

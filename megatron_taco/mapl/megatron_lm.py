@@ -241,10 +241,10 @@ def _patch_training() -> None:
         @functools.wraps(schedule)
         def forward_backward(*schedule_args, model, **schedule_kwargs):
             sync = _STATE["sync"]
-            if sync is not None and not schedule_kwargs.get("forward_only", False):
+            forward_only = schedule_kwargs.get("forward_only", False)
+            if sync is not None and not forward_only:
                 sync.start_forward_backward()
             # --mapl-warmup-steps: d wide until Megatron-LM's iteration count (a resumed run's too) passes it
-            forward_only = schedule_kwargs.get("forward_only", False)
             warming = sync is not None and sync.warm_up(iterations_done(get_args(), forward_only))
             chunks = model if isinstance(model, list) else [model]
             views, extra = schedule_inputs(chunks, cfg, warming)

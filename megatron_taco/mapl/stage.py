@@ -151,7 +151,7 @@ class MaplStage:
             with torch.profiler.record_function(CODEC_RANGE):
                 output = self.send.project(output, tokens, positions, previous)
                 if self.send.vq is not None:
-                    output = self.send.quantize(output, dtype or output.dtype)
+                    output = self.send.quantize(output, None if self.alpha > 0.0 else dtype or output.dtype)
                 if self.alpha > 0.0:
                     output = self._warm_up_message(activation, output, tokens, positions, previous)
             if training:  # with VQ the index wire sends the packed indices in place of the output
@@ -178,8 +178,8 @@ class MaplStage:
     ) -> torch.Tensor:
         """--mapl-warmup-steps: h_rec + alpha (h - h_rec), d wide, where h_rec is what the receiver would rebuild
         of ``z`` after MAPL's wire (the wire's round trip is made here, both directions, with this replica of the
-        boundary; with VQ z holds the codebook values in the pipeline dtype): alpha 1 sends h, alpha 0 would be MAPL
-        itself."""
+        boundary; with VQ z holds the codebook values in fp32, as the receiver decodes them): alpha 1 sends h, alpha 0
+        would be MAPL itself."""
         arrived = z if self.send.wire is None else WireRoundTrip.apply(z, self.send.wire, self.send.wire)
         if isinstance(self.send.wire, TopKCodec):
             arrived = TopKCodec.support_only(arrived)
