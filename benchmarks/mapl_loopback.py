@@ -40,7 +40,9 @@ receiver gets h_rec + alpha (h - h_rec), alpha falling linearly from 1 at the fi
 the model starts uncompressed and U, which gets gradient in proportion to 1 - alpha, and the layers after the
 boundary adapt while the dropped part fades; a lead of the MAPL issue: U's warm-up).
 Results are resumable (``--json``); the report gives each variant's mean validation
-loss and the paired 95% interval of its difference to the first variant over the seeds.
+loss and the paired 95% interval of its difference to the first variant over the seeds (with ``+leakN``, beside
+the wire's ratio, the run-average one: the warm-up's steps send h whole). ``--report-only`` rewrites the report
+from the json and trains nothing; ``--plot PNG`` draws each variant's loss over its run-average ratio.
 
 ``--pipeline-parallel 2`` trains ``none`` and ``R x`` as real PP=2 runs instead (two ranks each: megatron-core's
 schedule, MAPL's r-wide P2P, ``MaplSync``), the same model, data, seeds and report: the headline form of the
@@ -232,6 +234,14 @@ class Variant:
         if self.vq_levels:
             return 2 * hidden_size / (self.vq_levels * index_bytes(self.mapl_config(hidden_size).vq_codes))
         return compression_ratio(hidden_size, self.rank(hidden_size), self.wire_codec(hidden_size), 2)
+
+    def run_average_ratio(self, hidden_size: int, steps: int) -> float:
+        """bf16 bytes of h over the boundary's bytes summed over a run of ``steps``: ``+leakN``'s warm-up sends h
+        (1x) for its share f = N / steps, the wire's ratio R after it: 1 / (f + (1 - f) / R)."""
+        if self.mode in ("none", "tables"):
+            return 1.0
+        share = min(self.leak_steps, steps) / steps
+        return 1 / (share + (1 - share) / self.wire_ratio(hidden_size))
 
     def mapl_config(self, hidden_size: int) -> MaplConfig:
         """MAPL's settings of this variant (INT4 aside, the loopback's own wire)."""
@@ -548,7 +558,12 @@ def report(args, results: dict) -> List[str]:
             backward = ", dL/dz in FP8" if parsed.wire == "int4fwd" else ""  # twice the forward bytes back
             if parsed.vq_levels:  # indices forward, r-wide bf16 back
                 backward = f" forward: {parsed.vq_levels} indices; dL/dz r-wide, {parsed.ratio:g}x"
-            label += f" ({width}, {parsed.wire_ratio(shape.hidden_size):.2f}x{backward})"
+            over_run = (
+                f"; {parsed.run_average_ratio(shape.hidden_size, args.steps):.2f}x over the run"
+                if parsed.leak_steps
+                else ""
+            )
+            label += f" ({width}, {parsed.wire_ratio(shape.hidden_size):.2f}x{backward}{over_run})"
         moved = [runs[f"{variant} | seed {s}"].get("u_moved") for s in seeds]
         moved_cell = "-" if None in moved else f"{statistics.mean(moved):.3f}"
         lines.append(
@@ -562,6 +577,56 @@ def report(args, results: dict) -> List[str]:
             "same subspace, 1: orthogonal), mean over seeds; - where the runs did not record it.",
         ]
     return lines
+
+
+def plot_bytes_and_loss(path: str, args, results: dict) -> bool:
+    """A PNG of each MAPL variant's validation loss against the first variant (mean and 95% interval over the
+    paired seeds) over its run-average ratio (log scale): constant ratios and ``+leakN`` warm-ups as two markers,
+    the picture of which buys more loss per byte. False when there is nothing to draw."""
+    runs, variants = results["runs"], args.variants.split(";")
+    hidden, base, points = MODELS[args.model].hidden_size, variants[0], []
+    for variant in variants[1:]:
+        parsed = _parse(variant)
+        seeds = [s for s in range(args.seeds) if f"{variant} | seed {s}" in runs and f"{base} | seed {s}" in runs]
+        if parsed.mode in ("none", "tables") or len(seeds) < 2:
+            continue
+        diff = [100 * (runs[f"{variant} | seed {s}"]["valid"] / runs[f"{base} | seed {s}"]["valid"] - 1) for s in seeds]
+        mean, _, low, high = paired_interval(diff)
+        points.append((variant, parsed.run_average_ratio(hidden, args.steps), mean, low, high, parsed.leak_steps > 0))
+    if not points:
+        return False
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import matplotlib.ticker
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for warm, marker, colour, name in ((False, "o", "C0", "the wire's ratio all run"), (True, "s", "C3", "+leakN")):
+        chosen = [p for p in points if p[5] == warm]
+        if chosen:
+            ax.errorbar(
+                [p[1] for p in chosen], [p[2] for p in chosen],
+                yerr=[[p[2] - p[3] for p in chosen], [p[4] - p[2] for p in chosen]],
+                fmt=marker, color=colour, capsize=3, label=name,
+            )  # fmt: skip
+        for index, (variant, x, mean, *_) in enumerate(chosen):  # labels above and below in turn: fewer overlaps
+            ax.annotate(variant, (x, mean), textcoords="offset points", xytext=(5, 4 - 14 * (index % 2)), fontsize=7)
+    ax.set_xscale("log")
+    times = matplotlib.ticker.FuncFormatter(lambda value, _: f"{value:g}x")
+    ax.xaxis.set_major_formatter(times)
+    ax.xaxis.set_minor_formatter(times)
+    ax.tick_params(axis="x", which="minor", labelsize=7)
+    ax.axhline(0, color="black", linewidth=0.6)
+    ax.set_xlabel("run-average ratio: bf16 bytes of h over the boundary's bytes, whole run (log)")
+    ax.set_ylabel(f"validation loss vs {base} (%, 95% interval)")
+    ax.set_title(f"{args.model}, {args.steps} steps, seeds 0-{args.seeds - 1}", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
 
 
 def main(argv: Optional[List[str]] = None) -> None:
@@ -590,6 +655,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     )
     parser.add_argument("--parallel", type=int, default=1, help="runs at a time (processes on the one GPU)")
     parser.add_argument("--json", required=True, help="results so far (read to resume, rewritten after every run)")
+    parser.add_argument(
+        "--report-only", action="store_true", help="train nothing: rewrite the report (and --plot) from --json as is"
+    )
+    parser.add_argument("--plot", help="also draw each variant's loss over its run-average ratio into this PNG")
     args = parser.parse_args(argv)
     args.argv = argv if argv is not None else __import__("sys").argv[1:]
     for variant in args.variants.split(";"):
@@ -622,12 +691,18 @@ def main(argv: Optional[List[str]] = None) -> None:
         setup["pipeline_parallel"] = args.pipeline_parallel
     if args.model != "gpt-25m":  # (files of the first model's runs keep their set-up)
         setup["model"] = args.model
+    if args.report_only and not os.path.exists(args.json):
+        parser.error(f"--report-only: {args.json} does not exist")
     results = {"runs": {}}
     if os.path.exists(args.json):
         with open(args.json) as f:
             results = json.load(f)
         if results.get("setup") != setup:
             raise SystemExit(f"{args.json} holds runs of another set-up ({results.get('setup')}); use another --json")
+    report_path = os.path.splitext(args.json)[0] + ".md"
+    if args.report_only:  # the json's header (the last invocation's commit, date, hardware) stays
+        _write_report(args, results, report_path)
+        return
     on_gpu = torch.cuda.is_available()
     if args.pipeline_parallel == 2 and on_gpu and torch.cuda.device_count() < 2:
         # (PP=2 over gloo with both ranks on one H200 failed in megatron-core's P2P receive, 2026-12-02)
@@ -641,15 +716,13 @@ def main(argv: Optional[List[str]] = None) -> None:
         commit=project_commit(),
         hardware=torch.cuda.get_device_name(0) if on_gpu else f"CPU ({os.cpu_count()} cores)",
     )
-    report_path = os.path.splitext(args.json)[0] + ".md"
     if on_gpu:  # CUDA is initialised here (the GPU's name), so runs start fresh, not forked
         os.environ.setdefault("TACO_TEST_START_METHOD", "spawn")
 
     def save():
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
-        with open(report_path, "w") as f:
-            f.write("\n".join(report(args, results)) + "\n")
+        _write_report(args, results, report_path)
 
     if args.vocab_size != 256:  # trained and tokenized once here, read from the cache by every run
         cache_stdlib_text(args.vocab_size)
@@ -680,6 +753,13 @@ def main(argv: Optional[List[str]] = None) -> None:
             save()
     save()
     print("\n".join(report(args, results)), flush=True)
+
+
+def _write_report(args, results: dict, path: str) -> None:
+    with open(path, "w") as f:
+        f.write("\n".join(report(args, results)) + "\n")
+    if args.plot and not plot_bytes_and_loss(args.plot, args, results):
+        print(f"mapl_loopback: --plot {args.plot}: no MAPL variant with 2 paired seeds to draw", flush=True)
 
 
 if __name__ == "__main__":

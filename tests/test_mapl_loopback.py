@@ -349,3 +349,35 @@ def test_a_report_of_runs_from_several_invocations_names_each_ones_commit_date_a
     ]
     results["runs"]["tables | seed 0"] = run(3.0, **new)
     assert not any(line.startswith("- Runs of more than one") for line in report(args, results))
+
+
+def test_report_only_rewrites_the_report_and_plots_loss_over_the_run_average_ratio(tmp_path):
+    """``--report-only --plot``: nothing trains, the json stays as it is, the report names a warm-up's run-average
+    ratio 1 / (f + (1 - f) / R) beside the wire's R, and the PNG is drawn; without the json, one line."""
+    import json
+
+    from benchmarks.mapl_loopback import main
+
+    wire = _parse("8x+int5").wire_ratio(128)
+    assert _parse("8x+int5").run_average_ratio(128, 1000) == wire
+    assert _parse("8x+int5+leak300").run_average_ratio(128, 1000) == pytest.approx(1 / (0.3 + 0.7 / wire), rel=1e-12)
+    assert _parse("8x+int5+leak2000").run_average_ratio(128, 1000) == 1.0 == _parse("tables").run_average_ratio(128, 9)
+    where = dict(commit="f7c7ca4", date="2026-12-07", hardware="CPU (2 cores)", parameters=100)
+    runs = {
+        f"{variant} | seed {seed}": dict(valid=valid + 0.01 * seed, **where)
+        for variant, valid in (("tables", 1.80), ("8x+int5", 1.84), ("8x+int5+leak300", 1.81))
+        for seed in range(3)
+    }
+    setup = {"steps": 1000, "lr": 1e-3, "warmup": 100, "eval_iters": 20, "model": "gpt-cpu"}
+    path = tmp_path / "study.json"
+    path.write_text(json.dumps({"setup": setup, "runs": runs, **where}))
+    before = path.read_text()
+    flags = ["--model", "gpt-cpu", "--steps", "1000", "--seeds", "3", "--json", str(path), "--report-only"]
+    main([*flags, "--variants", "tables;8x+int5;8x+int5+leak300", "--plot", str(tmp_path / "bytes.png")])
+    assert path.read_text() == before
+    report = (tmp_path / "study.md").read_text()
+    assert f"| 8x+int5+leak300 (r 32, {wire:.2f}x; {1 / (0.3 + 0.7 / wire):.2f}x over the run) |" in report
+    assert f"| 8x+int5 (r 32, {wire:.2f}x) |" in report
+    assert (tmp_path / "bytes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(SystemExit):
+        main([*flags[:-2], "--json", str(tmp_path / "none.json"), "--report-only", "--variants", "tables"])
