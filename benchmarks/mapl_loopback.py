@@ -537,10 +537,7 @@ def report(args, results: dict) -> List[str]:
             continue
         valid = [runs[f"{variant} | seed {s}"]["valid"] for s in seeds]
         sd = f"{statistics.stdev(valid):.4f}" if len(valid) > 1 else "-"
-        paired = [s for s in seeds if f"{base} | seed {s}" in runs]
-        diff = [
-            100 * (runs[f"{variant} | seed {s}"]["valid"] / runs[f"{base} | seed {s}"]["valid"] - 1) for s in paired
-        ]
+        diff = _paired_differences(runs, variant, base, seeds)
         if variant == base or not diff:
             cells = "-", "-"
         else:
@@ -579,6 +576,12 @@ def report(args, results: dict) -> List[str]:
     return lines
 
 
+def _paired_differences(runs: dict, variant: str, base: str, seeds) -> List[float]:
+    """The validation loss of ``variant`` against ``base``, in %, for each of ``seeds`` that both ran."""
+    paired = [s for s in seeds if f"{variant} | seed {s}" in runs and f"{base} | seed {s}" in runs]
+    return [100 * (runs[f"{variant} | seed {s}"]["valid"] / runs[f"{base} | seed {s}"]["valid"] - 1) for s in paired]
+
+
 def plot_bytes_and_loss(path: str, args, results: dict) -> bool:
     """A PNG of each MAPL variant's validation loss against the first variant (mean and 95% interval over the
     paired seeds) over its run-average ratio (log scale): constant ratios and ``+leakN`` warm-ups as two markers,
@@ -587,10 +590,9 @@ def plot_bytes_and_loss(path: str, args, results: dict) -> bool:
     hidden, base, points = MODELS[args.model].hidden_size, variants[0], []
     for variant in variants[1:]:
         parsed = _parse(variant)
-        seeds = [s for s in range(args.seeds) if f"{variant} | seed {s}" in runs and f"{base} | seed {s}" in runs]
-        if parsed.mode in ("none", "tables") or len(seeds) < 2:
+        diff = _paired_differences(runs, variant, base, range(args.seeds))
+        if parsed.mode in ("none", "tables") or len(diff) < 2:
             continue
-        diff = [100 * (runs[f"{variant} | seed {s}"]["valid"] / runs[f"{base} | seed {s}"]["valid"] - 1) for s in seeds]
         mean, _, low, high = paired_interval(diff)
         points.append((variant, parsed.run_average_ratio(hidden, args.steps), mean, low, high, parsed.leak_steps > 0))
     if not points:
@@ -702,6 +704,7 @@ def main(argv: Optional[List[str]] = None) -> None:
     report_path = os.path.splitext(args.json)[0] + ".md"
     if args.report_only:  # the json's header (the last invocation's commit, date, hardware) stays
         _write_report(args, results, report_path)
+        _plot(args, results)
         return
     on_gpu = torch.cuda.is_available()
     if args.pipeline_parallel == 2 and on_gpu and torch.cuda.device_count() < 2:
@@ -752,12 +755,17 @@ def main(argv: Optional[List[str]] = None) -> None:
             print(f"  {v} | seed {s}: final train {run['train'][-1]:.4f} valid {run['valid']:.4f}", flush=True)
             save()
     save()
+    _plot(args, results)
     print("\n".join(report(args, results)), flush=True)
 
 
 def _write_report(args, results: dict, path: str) -> None:
     with open(path, "w") as f:
         f.write("\n".join(report(args, results)) + "\n")
+
+
+def _plot(args, results: dict) -> None:
+    """``--plot``: once, after the runs (the report is rewritten after each)."""
     if args.plot and not plot_bytes_and_loss(args.plot, args, results):
         print(f"mapl_loopback: --plot {args.plot}: no MAPL variant with 2 paired seeds to draw", flush=True)
 
