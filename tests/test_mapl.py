@@ -551,26 +551,33 @@ def test_the_warm_up_sends_d_wide_at_every_interleaved_boundary_then_r_wide():
     assert losses[-1] < losses[0]
 
 
-def _train_pp4_per_boundary_ranks(steps):
-    cfg = TrainConfig(TINY_GPT, pipeline_parallel=4, lr=3e-3, mapl=MaplConfig(ranks=(32, 16, 8), anchor_rank=16))
-    trainer = Trainer(cfg)
+def _train_pp4_per_boundary_ranks(steps, warmup_steps):
+    mapl = MaplConfig(ranks=(32, 16, 8), anchor_rank=16, warmup_steps=warmup_steps)
+    trainer = Trainer(TrainConfig(TINY_GPT, pipeline_parallel=4, lr=3e-3, mapl=mapl))
     data = synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, 2, seed=1)
-    with recording_p2p() as recorded:
-        losses = [trainer.train_step(data)["loss"] for _ in range(steps)]
-    widths = {shape[-1] for _, _, shape in recorded if len(shape) == 3}
+    losses, widths, shape_messages = [], [], []
+    for _ in range(steps):
+        with recording_p2p() as recorded:
+            losses.append(trainer.train_step(data)["loss"])
+        widths.append({shape[-1] for _, _, shape in recorded if len(shape) == 3})
+        shape_messages.append(sum(dtype == torch.int64 and shape == (3,) for _, dtype, shape in recorded))
     projections = {b.boundary: b.projection.detach().clone() for b in trainer.mapl_boundaries}
     trainer.close()
-    return losses, projections, widths
+    return losses, projections, widths, shape_messages
 
 
-def test_each_boundary_can_have_its_own_rank():
-    results = run_distributed(_train_pp4_per_boundary_ranks, 4, 10, timeout=300)
+def test_each_boundary_can_have_its_own_rank_after_a_warm_up_that_sends_d_wide_without_shapes():
+    """--mapl-ranks 32,16,8 with --mapl-warmup-steps 2 of 10 on PP=4: steps 0-1 send d wide, all one shape, so
+    megatron-core sends no shape messages; from step 2 each boundary its own width, each message after its shape."""
+    results = run_distributed(_train_pp4_per_boundary_ranks, 4, 10, 2, timeout=300)
     expected = {0: 32, 1: 16, 2: 8}
-    for stage, (losses, projections, widths) in enumerate(results):
+    for stage, (losses, projections, widths, shape_messages) in enumerate(results):
         assert {b: u.shape[1] for b, u in projections.items()} == {
             b: r for b, r in expected.items() if b in (stage - 1, stage)
         }
-        assert widths == {expected[b] for b in projections}, (stage, widths)
+        assert widths[:2] == [{TINY_GPT.hidden_size}] * 2 and shape_messages[:2] == [0, 0], (stage, widths)
+        assert all(w == {expected[b] for b in projections} for w in widths[2:]), (stage, widths)
+        assert all(n > 0 for n in shape_messages[2:]), (stage, shape_messages)
     for b in expected:
         assert torch.equal(results[b][1][b], results[b + 1][1][b])
     assert results[0][0][-1] < results[0][0][0]

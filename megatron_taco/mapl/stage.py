@@ -82,8 +82,10 @@ class MaplStage:
         self._received: Optional[torch.Tensor] = None
         # --mapl-warmup-steps: the sender sends h_rec + alpha (h - h_rec) d wide while alpha > 0 (MaplSync.warm_up)
         self.alpha = 0.0
-        # bytes megatron-core sends before each tensor (its shape, in variable-shape mode), for the telemetry
+        # bytes megatron-core sends before each tensor (its shape, in variable-shape mode), for the telemetry: after
+        # and during the warm-up (d-wide messages need no shapes unless the model config asks for them)
         self.shape_message_bytes = 0
+        self.warm_up_shape_message_bytes = 0
         # context anchors: (previous tokens n, the "before the start" row), alike at both boundaries of a stage
         self._context = next(((b.context, b.anchor_embedding.shape[0]) for b in self.boundaries() if b.context), None)
         for side, codec in (("recv", recv), ("send", send)):
@@ -142,7 +144,7 @@ class MaplStage:
                     hidden = self.recv.reconstruct(received, tokens, dtype or self._received.dtype, positions, previous)
             if training and self._received.requires_grad:
                 MAPL_TELEMETRY.watch_backward(
-                    self.recv.boundary, self._received, hidden, self.shape_message_bytes, self._wire(self.recv)
+                    self.recv.boundary, self._received, hidden, self._shape_bytes(), self._wire(self.recv)
                 )
             self._model_set_input_tensor(hidden)
         output = self._model_forward(input_ids, position_ids, attention_mask, **kwargs)
@@ -159,10 +161,14 @@ class MaplStage:
                     self.send.boundary,
                     getattr(output, "mapl_indices", output),
                     activation,
-                    self.shape_message_bytes,
+                    self._shape_bytes(),
                     self._wire(self.send),
                 )
         return output
+
+    def _shape_bytes(self) -> int:
+        """The bytes megatron-core sends before each message now (its shape)."""
+        return self.warm_up_shape_message_bytes if self.alpha > 0.0 else self.shape_message_bytes
 
     def _wire(self, codec: BoundaryCodec):
         """The codec of ``codec``'s P2P messages now (None: the pipeline dtype, as during the warm-up)."""
@@ -576,10 +582,11 @@ def warmup_alpha(iteration: int, warmup_steps: int) -> float:
     return max(0.0, 1.0 - iteration / warmup_steps) if warmup_steps else 0.0
 
 
-def _variable_shapes(cfg: MaplConfig, config: Any) -> bool:
-    """Whether the schedule's P2P sends each tensor's shape first: widths that differ per boundary, or a model
-    config with ``variable_seq_lengths`` (set by custom model providers; Megatron-LM's parser sets it False)."""
-    return not cfg.uniform or bool(getattr(config, "variable_seq_lengths", False))
+def _variable_shapes(cfg: MaplConfig, config: Any, warming: bool) -> bool:
+    """Whether the schedule's P2P sends each tensor's shape first: widths that differ per boundary (not during the
+    warm-up, where every message is d wide), or a model config with ``variable_seq_lengths`` (set by custom model
+    providers; Megatron-LM's parser sets it False)."""
+    return (not cfg.uniform and not warming) or bool(getattr(config, "variable_seq_lengths", False))
 
 
 def attach_mapl(
@@ -624,8 +631,9 @@ def attach_mapl(
     )
     for codec in stage.boundaries():  # what the telemetry counts: the FP8 wire's messages (None: the tensors)
         codec.wire = wire_codec(cfg, codec.rank)
-    if _variable_shapes(cfg, config):  # megatron-core sends each tensor's shape first: counted in the MAPL telemetry
-        stage.shape_message_bytes = SHAPE_MESSAGE_BYTES
+    # where megatron-core sends each tensor's shape first: counted in the MAPL telemetry
+    stage.shape_message_bytes = SHAPE_MESSAGE_BYTES if _variable_shapes(cfg, config, warming=False) else 0
+    stage.warm_up_shape_message_bytes = SHAPE_MESSAGE_BYTES if _variable_shapes(cfg, config, warming=True) else 0
     return stage
 
 
@@ -669,7 +677,7 @@ def schedule_inputs(
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     widths = cfg.wire_ranks(config.hidden_size, pp, config.virtual_pipeline_model_parallel_size)
     width = config.hidden_size if warming else max(widths)
-    views = [ScheduleView(m, width, variable_shapes=_variable_shapes(cfg, config)) for m in models]
+    views = [ScheduleView(m, width, variable_shapes=_variable_shapes(cfg, config, warming)) for m in models]
     if warming:
         return views, {}
     if cfg.wire != "bf16":  # one per run: its codec caches headers, and it checks the first message's settings
