@@ -38,7 +38,9 @@ optimizer step, as ``MaplSync.codebook_step`` does it), dL/dz returns r-wide: th
 smaller than h, the backward R times), ``+leakN`` (a warm-up into the bottleneck: for the first N steps the
 receiver gets h_rec + alpha (h - h_rec), alpha falling linearly from 1 at the first step to 0 after N steps, so
 the model starts uncompressed and U, which gets gradient in proportion to 1 - alpha, and the layers after the
-boundary adapt while the dropped part fades; a lead of the MAPL issue: U's warm-up).
+boundary adapt while the dropped part fades; a lead of the MAPL issue: U's warm-up), ``+wleakN`` (``+leakN`` with the
+warm-up's d-wide message, and its gradient, through the 5-bit wire's codec at rank d: about 3x fewer bytes than bf16
+during the warm-up; not a MAPL flag yet).
 Results are resumable (``--json``); the report gives each variant's mean validation
 loss and the paired 95% interval of its difference to the first variant over the seeds (with ``+leakN``, beside
 the wire's ratio, the run-average one: the warm-up's steps send h whole). ``--report-only`` rewrites the report
@@ -100,13 +102,21 @@ class LoopbackBoundary(torch.nn.Module):
     optimizer trains the anchors like any parameter); ``subspace``: the layers before it write through U."""
 
     def __init__(
-        self, model: torch.nn.Module, codec: BoundaryCodec, layer: int, mode: str, wire=None, leak_steps: int = 0
+        self,
+        model: torch.nn.Module,
+        codec: BoundaryCodec,
+        layer: int,
+        mode: str,
+        wire=None,
+        leak_steps: int = 0,
+        leak_wire=None,
     ) -> None:
         super().__init__()
         self.codec = codec
         self.mode = mode
         self.wire = wire  # z -> what arrives of z (and of dL/dz backward) after the wire (None: bf16)
         self.leak_steps = leak_steps  # ``+leakN``: the dropped part h - h_rec fades out over these steps
+        self.leak_wire = leak_wire  # ``+wleakN``: the warm-up's message -> what arrives of it (None: bf16)
         self.steps = 0  # optimizer steps taken (``_after_step``)
         self._ids = None
         model.add_module("mapl_loopback", self)
@@ -147,6 +157,8 @@ class LoopbackBoundary(torch.nn.Module):
             rebuilt = self.codec.reconstruct(wire, tokens, hidden.dtype, positions)
             alpha = warmup_alpha(self.steps, self.leak_steps)
             hidden = rebuilt if alpha == 0.0 else torch.lerp(rebuilt, hidden, alpha)  # as MaplStage's warm-up
+            if alpha > 0.0 and self.leak_wire is not None:
+                hidden = self.leak_wire(hidden)
         return (hidden, *output[1:]) if isinstance(output, tuple) else hidden
 
 
@@ -179,7 +191,8 @@ class Variant:
     learning rate (``--mapl-lr``); ``u_adam_lr``: U by Riemannian Adam at this learning rate; None: the defaults.
     ``fp32_products``: the boundary multiplies by U and B in fp32 (``BoundaryCodec``; every run before 2026-12-07's
     bf16 products). ``vq_levels``: z goes forward as that many residual-VQ indices (``--mapl-vq-levels``; bf16 wire
-    rank d / R, dL/dz back r-wide). ``leak_steps``: ``+leakN``'s warm-up into the bottleneck."""
+    rank d / R, dL/dz back r-wide). ``leak_steps``: ``+leakN``'s warm-up into the bottleneck; ``leak_int5``
+    (``+wleakN``): its d-wide messages through the 5-bit codec."""
 
     mode: str
     ratio: float = 1.0
@@ -190,6 +203,7 @@ class Variant:
     fp32_products: bool = False
     vq_levels: int = 0
     leak_steps: int = 0
+    leak_int5: bool = False
 
     def rank(self, hidden_size: int) -> int:
         if self.wire == "topk":  # every coordinate is a candidate: U is square
@@ -228,6 +242,10 @@ class Variant:
             return lambda z: TopKCodec.support_only(WireRoundTrip.apply(z, codec, grad_codec))
         return None if codec is None else (lambda z: WireRoundTrip.apply(z, codec, grad_codec))
 
+    def leak_codec(self, hidden_size: int) -> Optional[NarrowIntCodec]:
+        """The codec of ``+wleakN``'s d-wide warm-up messages, both directions (None: bf16)."""
+        return NarrowIntCodec(hidden_size, 5) if self.leak_int5 else None
+
     def wire_ratio(self, hidden_size: int) -> float:
         """bf16 bytes of h over the wire bytes of z, per token (scales included, the message header not; forward:
         "int4fwd" sends twice these bytes backward, VQ's dL/dz returns r-wide in bf16)."""
@@ -237,11 +255,13 @@ class Variant:
 
     def run_average_ratio(self, hidden_size: int, steps: int) -> float:
         """bf16 bytes of h over the boundary's bytes summed over a run of ``steps``: ``+leakN``'s warm-up sends h
-        (1x) for its share f = N / steps, the wire's ratio R after it: 1 / (f + (1 - f) / R)."""
+        at ratio W (1, or about 3 with ``+wleakN``) for its share f = N / steps, the wire's ratio R after it:
+        1 / (f / W + (1 - f) / R)."""
         if self.mode in ("none", "tables"):
             return 1.0
         share = min(self.leak_steps, steps) / steps
-        return 1 / (share + (1 - share) / self.wire_ratio(hidden_size))
+        warm = compression_ratio(hidden_size, hidden_size, self.leak_codec(hidden_size), 2)
+        return 1 / (share / warm + (1 - share) / self.wire_ratio(hidden_size))
 
     def mapl_config(self, hidden_size: int) -> MaplConfig:
         """MAPL's settings of this variant (INT4 aside, the loopback's own wire)."""
@@ -264,7 +284,7 @@ def _parse(variant: str) -> Variant:
     '+int4fwd' / '+int4e4m3' / '+int6' / '+int5' / '+topk',
     '+anchorsK', '+ulrF' (U's learning rate F), '+uadamF' (U by Riemannian Adam at learning rate F), '+fp32'
     (the products with U and B in fp32), '+vqL' (L residual-VQ indices forward), '+leakN' (the warm-up into the
-    bottleneck over N steps)."""
+    bottleneck over N steps) or '+wleakN' (its messages in 5 bits)."""
     if variant == "none":
         return Variant(variant)
     ratio, *extras = variant.split("+")
@@ -288,8 +308,11 @@ def _parse(variant: str) -> Variant:
             fields["fp32_products"] = True
         elif extra.startswith("vq") and extra[2:].isdigit() and int(extra[2:]) > 0:
             fields["vq_levels"] = int(extra[2:])
-        elif extra.startswith("leak") and extra[4:].isdigit() and int(extra[4:]) > 0:
-            fields["leak_steps"] = int(extra[4:])
+        elif (
+            extra.startswith(("leak", "wleak")) and _positive_int(extra.split("leak")[1]) and "leak_steps" not in fields
+        ):
+            fields["leak_steps"] = int(extra.split("leak")[1])
+            fields["leak_int5"] = extra.startswith("w")  # +wleakN: the warm-up's messages in 5 bits
         else:
             ratio = ""
     if fields.get("vq_levels") and fields.get("wire", "bf16") != "bf16":
@@ -297,9 +320,13 @@ def _parse(variant: str) -> Variant:
     if not ratio.endswith("x") or len(extras) != len(set(extras)):
         raise ValueError(
             f"variant {variant!r}: expected none, tables (option +anchorsK), or Rx with options +subspace, +fp8, "
-            "+int4, +int4sr, +int4fwd, +int4e4m3, +int6, +int5 or +topk, +anchorsK, +ulrF or +uadamF, +fp32, +vqL, +leakN"
+            "+int4, +int4sr, +int4fwd, +int4e4m3, +int6, +int5 or +topk, +anchorsK, +ulrF or +uadamF, +fp32, +vqL, +leakN or +wleakN"
         )
     return Variant(ratio=float(ratio[:-1]), **fields)
+
+
+def _positive_int(text: str) -> bool:
+    return text.isdigit() and int(text) > 0
 
 
 def _positive_float(text: str) -> bool:
@@ -365,7 +392,9 @@ def _loopback_trainer(cfg, variant: Variant):
             if codec.vq is not None:  # z_q forward, dL/dz_q as dL/dz back (straight-through), as MaplStage sends them
                 wire = functools.partial(codec.quantize, wire_dtype=torch.bfloat16)
             layer = shape.num_layers // 2
-            state["boundary"] = LoopbackBoundary(model, codec, layer, variant.mode, wire, variant.leak_steps)
+            leak_codec = variant.leak_codec(shape.hidden_size)
+            leak_wire = None if leak_codec is None else (lambda m: WireRoundTrip.apply(m, leak_codec, leak_codec))
+            state["boundary"] = LoopbackBoundary(model, codec, layer, variant.mode, wire, variant.leak_steps, leak_wire)
         return model
 
     loop.build_gpt_model = build_with_boundary
@@ -604,7 +633,10 @@ def plot_bytes_and_loss(path: str, args, results: dict) -> bool:
     import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for warm, marker, colour, name in ((False, "o", "C0", "the wire's ratio all run"), (True, "s", "C3", "+leakN")):
+    for warm, marker, colour, name in (
+        (False, "o", "C0", "the wire's ratio all run"),
+        (True, "s", "C3", "+leakN / +wleakN"),
+    ):
         chosen = [p for p in points if p[5] == warm]
         if chosen:
             ax.errorbar(

@@ -66,16 +66,23 @@ def test_loopback_trains_like_pp2(variant):
 
 def test_the_leak_warm_up_starts_as_the_stock_model_and_fades_into_the_bottleneck():
     """``+leakN``: h_rec + alpha (h - h_rec) with alpha 1 at the first step, so that step is the stock model's
-    (the anchors and U idle); alpha falls linearly and is 0 from step N on, where the run is MAPL's."""
+    (the anchors and U idle); alpha falls linearly and is 0 from step N on, where the run is MAPL's. ``+wleakN``:
+    the same message in 5 bits, so its first step is the stock model's up to that rounding."""
     assert [warmup_alpha(s, 4) for s in (0, 1, 2, 4, 9)] == [1.0, 0.75, 0.5, 0.0, 0.0]
     assert warmup_alpha(3, 0) == 0.0  # no warm-up
     runs = {
         v: run_distributed(train_loopback, 1, _config(), v, STEPS, DATA_SEED, EVAL_ITERS, timeout=600)[0]
-        for v in ("none", "8x", "8x+leak3")
+        for v in ("none", "8x", "8x+leak3", "8x+wleak3")
     }
     assert runs["8x+leak3"]["train"][0] == runs["none"]["train"][0] != runs["8x"]["train"][0]
     assert runs["8x+leak3"]["train"][1] not in (runs["none"]["train"][1], runs["8x"]["train"][1])
-    assert runs["8x+leak3"]["parameters"] == runs["8x"]["parameters"]
+    assert runs["8x+leak3"]["parameters"] == runs["8x"]["parameters"] == runs["8x+wleak3"]["parameters"]
+    stock, rounded = runs["none"]["train"][0], runs["8x+wleak3"]["train"][0]
+    assert rounded != stock and abs(rounded - stock) < 1e-3 * stock, (rounded, stock)
+    # the bytes over a run of 1500 steps, d = 512: h whole (1x) or in 5 bits (1024 / 336 bytes per token) for 750
+    # steps, then the 5-bit wire at rank 192 (8.06x)
+    ratios = [_parse(v).run_average_ratio(512, 1500) for v in ("8x+int5", "8x+int5+leak750", "8x+int5+wleak750")]
+    assert [round(r, 2) for r in ratios] == [8.06, 1.78, 4.41]
 
 
 def test_the_tables_baseline_has_mapls_parameters_and_starts_as_the_stock_model():
@@ -126,6 +133,8 @@ def test_variants_name_their_rank_and_real_ratio_and_bad_names_fail():
         "8x+vq2+vq2",
         "8x+leak0",
         "8x+leak",
+        "8x+wleak0",
+        "8x+leak3+wleak3",
     ):
         with pytest.raises(ValueError, match=r"expected none, tables \(option \+anchorsK\), or Rx"):
             _parse(bad)
