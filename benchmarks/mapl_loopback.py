@@ -38,9 +38,10 @@ optimizer step, as ``MaplSync.codebook_step`` does it), dL/dz returns r-wide: th
 smaller than h, the backward R times), ``+leakN`` (a warm-up into the bottleneck: for the first N steps the
 receiver gets h_rec + alpha (h - h_rec), alpha falling linearly from 1 at the first step to 0 after N steps, so
 the model starts uncompressed and U, which gets gradient in proportion to 1 - alpha, and the layers after the
-boundary adapt while the dropped part fades; a lead of the MAPL issue: U's warm-up), ``+wleakN`` (``+leakN`` with the
-warm-up's d-wide message, and its gradient, through the 5-bit wire's codec at rank d: about 3x fewer bytes than bf16
-during the warm-up; not a MAPL flag yet).
+boundary adapt while the dropped part fades; a lead of the MAPL issue: U's warm-up; in bf16, as ``--mapl-warmup-steps``
+sent it until 2026-12-07), ``+wleakN`` (the warm-up as ``--mapl-warmup-steps`` sends it on the FP8 / INT5 wire: its
+d-wide message, and the message's gradient, through the wire's codec at rank d: with INT5 3.05x fewer bytes than bf16
+at d = 512).
 Results are resumable (``--json``); the report gives each variant's mean validation
 loss and the paired 95% interval of its difference to the first variant over the seeds (with ``+leakN``, beside
 the wire's ratio, the run-average one: the warm-up's steps send h whole). ``--report-only`` rewrites the report
@@ -76,7 +77,13 @@ from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stage import boundary_vq, step_projections_with, warmup_alpha
 from megatron_taco.mapl.stiefel import StiefelAdam, StiefelMomentumSGD
 from megatron_taco.mapl.vq import index_bytes
-from megatron_taco.mapl.wire import WireRoundTrip, compression_ratio, fp8_wire_codec, wire_codec
+from megatron_taco.mapl.wire import (
+    WireRoundTrip,
+    compression_ratio,
+    fp8_wire_codec,
+    warm_up_wire_codec,
+    wire_codec,
+)
 from megatron_taco.testing.distributed import run_distributed
 from megatron_taco.training.data import cache_stdlib_text, stdlib_text_batches
 from megatron_taco.training.model import ModelShape
@@ -116,7 +123,7 @@ class LoopbackBoundary(torch.nn.Module):
         self.mode = mode
         self.wire = wire  # z -> what arrives of z (and of dL/dz backward) after the wire (None: bf16)
         self.leak_steps = leak_steps  # ``+leakN``: the dropped part h - h_rec fades out over these steps
-        self.leak_wire = leak_wire  # ``+wleakN``: the warm-up's message -> what arrives of it (None: bf16)
+        self.leak_wire = leak_wire  # ``+wleakN``: the warm-up's message -> what arrives of it (None: as it is)
         self.steps = 0  # optimizer steps taken (``_after_step``)
         self._ids = None
         model.add_module("mapl_loopback", self)
@@ -191,8 +198,8 @@ class Variant:
     learning rate (``--mapl-lr``); ``u_adam_lr``: U by Riemannian Adam at this learning rate; None: the defaults.
     ``fp32_products``: the boundary multiplies by U and B in fp32 (``BoundaryCodec``; every run before 2026-12-07's
     bf16 products). ``vq_levels``: z goes forward as that many residual-VQ indices (``--mapl-vq-levels``; bf16 wire
-    rank d / R, dL/dz back r-wide). ``leak_steps``: ``+leakN``'s warm-up into the bottleneck; ``leak_int5``
-    (``+wleakN``): its d-wide messages through the 5-bit codec."""
+    rank d / R, dL/dz back r-wide). ``leak_steps``: ``+leakN``'s warm-up into the bottleneck; ``leak_on_wire``
+    (``+wleakN``): its d-wide messages through the wire's codec."""
 
     mode: str
     ratio: float = 1.0
@@ -203,7 +210,7 @@ class Variant:
     fp32_products: bool = False
     vq_levels: int = 0
     leak_steps: int = 0
-    leak_int5: bool = False
+    leak_on_wire: bool = False
 
     def rank(self, hidden_size: int) -> int:
         if self.wire == "topk":  # every coordinate is a candidate: U is square
@@ -242,9 +249,10 @@ class Variant:
             return lambda z: TopKCodec.support_only(WireRoundTrip.apply(z, codec, grad_codec))
         return None if codec is None else (lambda z: WireRoundTrip.apply(z, codec, grad_codec))
 
-    def leak_codec(self, hidden_size: int) -> Optional[NarrowIntCodec]:
-        """The codec of ``+wleakN``'s d-wide warm-up messages, both directions (None: bf16)."""
-        return NarrowIntCodec(hidden_size, 5) if self.leak_int5 else None
+    def leak_codec(self, hidden_size: int):
+        """The codec of the warm-up's d-wide messages, both directions: ``+wleakN``'s, the FP8 / INT5 wire's at
+        rank d, as ``--mapl-warmup-steps`` sends them (None: as they are, ``+leakN``)."""
+        return warm_up_wire_codec(self.mapl_config(hidden_size), hidden_size) if self.leak_on_wire else None
 
     def wire_ratio(self, hidden_size: int) -> float:
         """bf16 bytes of h over the wire bytes of z, per token (scales included, the message header not; forward:
@@ -255,7 +263,7 @@ class Variant:
 
     def run_average_ratio(self, hidden_size: int, steps: int) -> float:
         """bf16 bytes of h over the boundary's bytes summed over a run of ``steps``: ``+leakN``'s warm-up sends h
-        at ratio W (1, or about 3 with ``+wleakN``) for its share f = N / steps, the wire's ratio R after it:
+        at ratio W (1, or with ``+wleakN`` the wire codec's at rank d: 3.05 for INT5 at d = 512) for its share f = N / steps, the wire's ratio R after it:
         1 / (f / W + (1 - f) / R)."""
         if self.mode in ("none", "tables"):
             return 1.0
@@ -284,7 +292,7 @@ def _parse(variant: str) -> Variant:
     '+int4fwd' / '+int4e4m3' / '+int6' / '+int5' / '+topk',
     '+anchorsK', '+ulrF' (U's learning rate F), '+uadamF' (U by Riemannian Adam at learning rate F), '+fp32'
     (the products with U and B in fp32), '+vqL' (L residual-VQ indices forward), '+leakN' (the warm-up into the
-    bottleneck over N steps) or '+wleakN' (its messages in 5 bits)."""
+    bottleneck over N steps) or '+wleakN' (its messages on the +fp8 / +int5 wire)."""
     if variant == "none":
         return Variant(variant)
     ratio, *extras = variant.split("+")
@@ -312,9 +320,11 @@ def _parse(variant: str) -> Variant:
             extra.startswith(("leak", "wleak")) and _positive_int(extra.split("leak")[1]) and "leak_steps" not in fields
         ):
             fields["leak_steps"] = int(extra.split("leak")[1])
-            fields["leak_int5"] = extra.startswith("w")  # +wleakN: the warm-up's messages in 5 bits
+            fields["leak_on_wire"] = extra.startswith("w")  # +wleakN: the warm-up's messages on the wire
         else:
             ratio = ""
+    if fields.get("leak_on_wire") and fields.get("wire") not in ("fp8", "int5"):
+        raise ValueError(f"variant {variant!r}: +wleakN sends the warm-up on the wire: it needs +fp8 or +int5")
     if fields.get("vq_levels") and fields.get("wire", "bf16") != "bf16":
         raise ValueError(f"variant {variant!r}: +vqL sends indices, not z: it takes no wire (+{fields['wire']})")
     if not ratio.endswith("x") or len(extras) != len(set(extras)):

@@ -36,14 +36,15 @@ def _config():
 
 @pytest.mark.parametrize(
     "variant",
-    ["8x", "8x+fp8", "8x+int5", "8x+topk", "8x+vq2", "8x+leak3", "8x+int5+leak3", "8x+topk+leak3", "8x+vq2+leak3"],
+    ["8x", "8x+fp8", "8x+int5", "8x+topk", "8x+vq2", "8x+leak3", "8x+int5+wleak3", "8x+topk+leak3", "8x+vq2+leak3"],
 )
 def test_loopback_trains_like_pp2(variant):
     """``8x+fp8`` / ``8x+int5`` / ``8x+topk``: PP=2 with ``--mapl-wire fp8`` / ``int5`` / ``topk``
     (CodecWireCommunicator encodes z and dL/dz on send, decodes them on arrival; with topk the receiving stage keeps
     dL/dz on what arrived) against the loopback's round trip of both through the same codec. ``+leak3``: PP=2 with
     ``--mapl-warmup-steps 3`` (the sender sends h_rec + alpha (h - h_rec) d wide for 3 of the 6 steps, then z on the
-    wire) against the loopback's warm-up. After a warm-up, a quantized wire's rounding turns the float-order
+    wire) against the loopback's warm-up; ``+int5+wleak3``: the same on the INT5 wire, whose codec carries the
+    warm-up's d-wide messages too. After a warm-up, a quantized wire's rounding turns the float-order
     differences of the two set-ups (<= 5e-8) into up to 1.2e-6 (INT5, observed): there the losses of the warm-up's
     steps are held to fp32 rounding, the later ones to 5e-6 (without the warm-up's wire round trip on the sender the
     warm-up's losses move by 6e-6 to 3e-5)."""
@@ -67,17 +68,17 @@ def test_loopback_trains_like_pp2(variant):
 def test_the_leak_warm_up_starts_as_the_stock_model_and_fades_into_the_bottleneck():
     """``+leakN``: h_rec + alpha (h - h_rec) with alpha 1 at the first step, so that step is the stock model's
     (the anchors and U idle); alpha falls linearly and is 0 from step N on, where the run is MAPL's. ``+wleakN``:
-    the same message in 5 bits, so its first step is the stock model's up to that rounding."""
+    the same message on the INT5 wire, so its first step is the stock model's up to that rounding."""
     assert [warmup_alpha(s, 4) for s in (0, 1, 2, 4, 9)] == [1.0, 0.75, 0.5, 0.0, 0.0]
     assert warmup_alpha(3, 0) == 0.0  # no warm-up
     runs = {
         v: run_distributed(train_loopback, 1, _config(), v, STEPS, DATA_SEED, EVAL_ITERS, timeout=600)[0]
-        for v in ("none", "8x", "8x+leak3", "8x+wleak3")
+        for v in ("none", "8x", "8x+leak3", "8x+int5+wleak3")
     }
     assert runs["8x+leak3"]["train"][0] == runs["none"]["train"][0] != runs["8x"]["train"][0]
     assert runs["8x+leak3"]["train"][1] not in (runs["none"]["train"][1], runs["8x"]["train"][1])
-    assert runs["8x+leak3"]["parameters"] == runs["8x"]["parameters"] == runs["8x+wleak3"]["parameters"]
-    stock, rounded = runs["none"]["train"][0], runs["8x+wleak3"]["train"][0]
+    assert runs["8x+leak3"]["parameters"] == runs["8x"]["parameters"]
+    stock, rounded = runs["none"]["train"][0], runs["8x+int5+wleak3"]["train"][0]
     assert rounded != stock and abs(rounded - stock) < 1e-3 * stock, (rounded, stock)
     # the bytes over a run of 1500 steps, d = 512: h whole (1x) or in 5 bits (1024 / 336 bytes per token) for 750
     # steps, then the 5-bit wire at rank 192 (8.06x)
@@ -141,6 +142,9 @@ def test_variants_name_their_rank_and_real_ratio_and_bad_names_fail():
     vq = _parse("8x+vq2")  # --mapl-vq-levels 2: r = d / R at the bf16 rule, 2 one-byte indices forward
     assert (vq.rank(512), vq.vq_levels, vq.wire_ratio(512), vq.mapl_config(512).vq_levels) == (64, 2, 512.0, 2)
     assert _parse("8x").mapl_config(512).vq_levels == 0
+    for bad in ("8x+wleak3", "8x+topk+wleak3"):
+        with pytest.raises(ValueError, match=r"\+wleakN sends the warm-up on the wire: it needs \+fp8 or \+int5"):
+            _parse(bad)
     with pytest.raises(ValueError, match=r"\+vqL sends indices, not z: it takes no wire \(\+int5\)"):
         _parse("8x+int5+vq2")
 

@@ -305,6 +305,21 @@ def test_the_int5_wire_in_megatron_lm_sends_5_bit_codes_both_ways():
     assert receiver["losses"][-1] < receiver["losses"][0], receiver["losses"]
 
 
+def test_the_warm_up_on_the_int5_wire_sends_d_wide_5_bit_messages_then_z():
+    """--mapl-warmup-steps 2 with --mapl-wire int5: Megatron-LM's iterations 0 and 1 send the warm-up's d = 32 values
+    per token on the 5-bit wire (20 bytes of codes, a scale byte, an exponent byte: 22 bytes instead of fp32's 128),
+    2 and 3 z (r = 16: 12 bytes), each as one message of fp32 elements both ways. The first step is the stock
+    model's up to the 5-bit rounding of h; U moves and the replicas agree."""
+    flags = ["--mapl-ratio", "4", "--mapl-wire", "int5", "--mapl-warmup-steps", "2"]
+    plain = run_distributed(_megatron_lm_steps, 2, [], 1, timeout=240)[1]
+    sender, receiver = run_distributed(_megatron_lm_steps, 2, flags, 4, timeout=240)
+    warm, after = (1, 1, SEQ * MICRO_BATCH * 22 // 4), (1, 1, SEQ * MICRO_BATCH * 12 // 4)
+    assert sender["p2p_shapes"] == receiver["p2p_shapes"] == [warm] * 2 + [after] * 2, sender["p2p_shapes"]
+    first, stock = receiver["losses"][0], plain["losses"][0]
+    assert first != stock and abs(first - stock) < 1e-3 * stock, (first, stock)
+    assert torch.equal(sender["u"][0], receiver["u"][0]) and min(sender["u_moved"]) > 1e-4
+
+
 def test_per_token_loss_scales_u_like_every_other_gradient():
     """--calculate-per-token-loss: the loss is a sum and megatron-core divides the gradients by the batch's tokens
     afterwards. With equal micro-batches that is the same training as the mean loss, U included (its gradient was

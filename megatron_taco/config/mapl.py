@@ -107,9 +107,15 @@ class MaplConfig:
             else ""
         )
         return (
-            f"; warm-up: the first {self.warmup_steps} iterations send h_rec + alpha (h - h_rec) d wide in the "
-            f"pipeline dtype, alpha 1 -> 0 (--mapl-warmup-steps {self.warmup_steps}){inside}"
+            f"; warm-up: the first {self.warmup_steps} iterations send h_rec + alpha (h - h_rec) d wide "
+            f"{self.warm_up_wire_name}, alpha 1 -> 0 (--mapl-warmup-steps {self.warmup_steps}){inside}"
         )
+
+    @property
+    def warm_up_wire_name(self) -> str:
+        """How the warm-up's d-wide messages travel: on the boundary's FP8 / INT5 wire (its codec at rank d), else
+        (bf16, top-k, whose k would drop most of h, and VQ's index wire) in the pipeline dtype."""
+        return f"on the {self.wire.upper()} wire" if self.wire in ("fp8", "int5") else "in the pipeline dtype"
 
     @property
     def uniform(self) -> bool:

@@ -86,6 +86,7 @@ class BoundaryCodec(torch.nn.Module):
                 param.mapl_anchor = True
         self.vq = vq
         self.wire = None  # the codec of a compressed P2P wire (``mapl.wire.wire_codec``), for the telemetry
+        self.warm_up_wire = None  # the codec of the warm-up's d-wide messages (``mapl.wire.warm_up_wire_codec``)
 
     def _apply(self, fn, recurse: bool = True):
         """Moves apply to U and the codebooks; casts do not (Megatron's Float16Module halves the whole model,

@@ -45,7 +45,13 @@ from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stiefel import StiefelMomentumSGD
 from megatron_taco.mapl.telemetry import MAPL_TELEMETRY, SHAPE_MESSAGE_BYTES
 from megatron_taco.mapl.vq import ResidualVQ, packed_width
-from megatron_taco.mapl.wire import CodecWireCommunicator, IndexWireCommunicator, WireRoundTrip, wire_codec
+from megatron_taco.mapl.wire import (
+    CodecWireCommunicator,
+    IndexWireCommunicator,
+    WireRoundTrip,
+    warm_up_wire_codec,
+    wire_codec,
+)
 
 __all__ = [
     "CODEC_RANGE",
@@ -171,8 +177,8 @@ class MaplStage:
         return self.warm_up_shape_message_bytes if self.alpha > 0.0 else self.shape_message_bytes
 
     def _wire(self, codec: BoundaryCodec):
-        """The codec of ``codec``'s P2P messages now (None: the pipeline dtype, as during the warm-up)."""
-        return None if self.alpha > 0.0 else codec.wire
+        """The codec of ``codec``'s P2P messages now (None: the pipeline dtype)."""
+        return codec.warm_up_wire if self.alpha > 0.0 else codec.wire
 
     def _warm_up_message(
         self,
@@ -629,8 +635,9 @@ def attach_mapl(
     stage = MaplStage(
         model, boundary(position - 1) if position > 0 else None, boundary(position) if position < len(widths) else None
     )
-    for codec in stage.boundaries():  # what the telemetry counts: the FP8 wire's messages (None: the tensors)
+    for codec in stage.boundaries():  # what the telemetry counts: the wire's messages (None: the tensors)
         codec.wire = wire_codec(cfg, codec.rank)
+        codec.warm_up_wire = warm_up_wire_codec(cfg, config.hidden_size)
     # where megatron-core sends each tensor's shape first: counted in the MAPL telemetry
     stage.shape_message_bytes = SHAPE_MESSAGE_BYTES if _variable_shapes(cfg, config, warming=False) else 0
     stage.warm_up_shape_message_bytes = SHAPE_MESSAGE_BYTES if _variable_shapes(cfg, config, warming=True) else 0
@@ -671,22 +678,23 @@ def schedule_inputs(
     """The models as megatron-core's pipeline schedule must see them (P2P buffers of the wire width) and the
     extra schedule arguments (with VQ: the communicator that puts the indices on the forward wire; with
     ``wire="fp8"`` / ``"int5"`` / ``"topk"``: the one that sends z and dL/dz as that wire's messages).
-    ``warming``: during ``--mapl-warmup-steps`` (``MaplSync.warm_up``) every message is d wide in the pipeline
-    dtype (megatron-core's own P2P)."""
+    ``warming``: during ``--mapl-warmup-steps`` (``MaplSync.warm_up``) every message is d wide: on the FP8 / INT5
+    wire (its codec at rank d), else in the pipeline dtype (megatron-core's own P2P)."""
     config = models[0].config
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     widths = cfg.wire_ranks(config.hidden_size, pp, config.virtual_pipeline_model_parallel_size)
     width = config.hidden_size if warming else max(widths)
     views = [ScheduleView(m, width, variable_shapes=_variable_shapes(cfg, config, warming)) for m in models]
-    if warming:
-        return views, {}
-    if cfg.wire != "bf16":  # one per run: its codec caches headers, and it checks the first message's settings
+    codec = warm_up_wire_codec(cfg, width) if warming else wire_codec(cfg, widths[0])
+    if codec is not None:  # one per run and width: its codec caches headers, and it checks the first message's settings
         group = parallel_state.get_pipeline_model_parallel_group()
-        key = (cfg, id(group), config.pipeline_dtype)
+        key = (cfg, id(group), config.pipeline_dtype, width)
         if key not in _WIRE_COMMUNICATORS:
-            _WIRE_COMMUNICATORS[key] = CodecWireCommunicator(group, views[0].config, wire_codec(cfg, widths[0]))
+            _WIRE_COMMUNICATORS[key] = CodecWireCommunicator(group, views[0].config, codec)
         communicator = _WIRE_COMMUNICATORS[key]
         return views, dict(p2p_communicator=communicator, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+    if warming:
+        return views, {}
     if not cfg.vq_levels:
         return views, {}
     communicator = IndexWireCommunicator(

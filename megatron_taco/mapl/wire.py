@@ -55,6 +55,7 @@ __all__ = [
     "describe_compression",
     "fp8_wire_codec",
     "round_trip",
+    "warm_up_wire_codec",
     "wire_codec",
 ]
 
@@ -107,6 +108,20 @@ def round_trip(codec: Optional[MaplWireCodec], x: torch.Tensor) -> torch.Tensor:
     if codec is None:
         return x
     return codec.decompress(codec.compress(x), x.shape, x.dtype, validate=False)
+
+
+def warm_up_wire_codec(cfg: MaplConfig, hidden_size: int) -> Optional[MaplWireCodec]:
+    """The codec of ``--mapl-warmup-steps``' d-wide messages: the FP8 / INT5 wire's at rank d (INT5 at d = 512:
+    3.05x fewer bytes than bf16, and the loss of a warm-up in bf16: benchmarks/results/mapl_loopback.md); None (the
+    pipeline dtype) for the other wires (``MaplConfig.warm_up_wire_name``)."""
+    if cfg.wire not in ("fp8", "int5") or not cfg.warmup_steps:
+        return None
+    if hidden_size % 16:
+        raise MaplConfigError(
+            f"--mapl-warmup-steps with --mapl-wire {cfg.wire} sends the warm-up d wide on that wire: the hidden "
+            f"size {hidden_size} must be a multiple of 16 (codec groups)"
+        )
+    return wire_codec(cfg, hidden_size)
 
 
 class WireRoundTrip(torch.autograd.Function):
