@@ -65,7 +65,8 @@ class MaplConfig:
     vq_sync_tolerance: float = 1e-3
     wire: str = "bf16"
     # a warm-up into the bottleneck: for the first N iterations the receiver gets h_rec + alpha (h - h_rec), alpha
-    # from 1 down to 0 (d wide, uncompressed), then MAPL's wire (0: MAPL from the first iteration)
+    # from 1 down to 0 (d wide: on the FP8 / INT5 wire at rank d, else in the pipeline dtype), then MAPL's wire (0:
+    # MAPL from the first iteration)
     warmup_steps: int = 0
     # how --mapl-wire auto chose ``wire``, for the start-up line (None: the wire was given); not part of the setting
     wire_choice: Optional[str] = dataclasses.field(default=None, compare=False)
@@ -295,8 +296,9 @@ def add_mapl_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="a warm-up into the bottleneck: for the first N iterations each boundary sends h_rec + alpha (h - h_rec) "
-        "d wide and uncompressed (h_rec: what MAPL's wire would deliver; alpha falls linearly from 1 to 0), then z "
-        "on MAPL's wire (0: off); validation during the warm-up sees the same blend",
+        "d wide (h_rec: what MAPL's wire would deliver; alpha falls linearly from 1 to 0), on the FP8 / INT5 wire "
+        "(its codec at rank d), else in the pipeline dtype, then z on MAPL's wire (0: off); validation during the "
+        "warm-up sees the same blend",
     )
     group.add_argument("--mapl-lr", type=float, default=0.01, help="learning rate of the manifold optimizer")
     group.add_argument("--mapl-momentum", type=float, default=0.9, help="momentum of the manifold optimizer")

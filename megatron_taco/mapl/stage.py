@@ -8,7 +8,7 @@ One entry point for every way of use (the trainer, the Megatron-LM launcher and 
 - :func:`schedule_inputs` for every call of megatron-core's pipeline schedule: the models as the schedule
   must see them (r-wide P2P) and, with VQ or the FP8 wire, the communicator that puts it on the wire;
   ``--mapl-warmup-steps`` (:meth:`MaplSync.warm_up` before each call): d-wide messages, h_rec + alpha (h - h_rec),
-  for the first N iterations.
+  for the first N iterations (on the FP8 / INT5 wire: its codec at rank d).
 
 :class:`MaplStage` changes its GPTModel in place: on a stage that receives, the
 r-wide tensor handed over by the schedule (``set_input_tensor``) is rebuilt to
