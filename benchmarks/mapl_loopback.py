@@ -40,7 +40,7 @@ receiver gets h_rec + alpha (h - h_rec), alpha falling linearly from 1 at the fi
 the model starts uncompressed and U, which gets gradient in proportion to 1 - alpha, and the layers after the
 boundary adapt while the dropped part fades; a lead of the MAPL issue: U's warm-up; in bf16, as ``--mapl-warmup-steps``
 sent it until 2026-12-07), ``+wleakN`` (the warm-up as ``--mapl-warmup-steps`` sends it on the FP8 / INT5 wire: its
-d-wide message, and the message's gradient, through the wire's codec at rank d: with INT5 3.05x fewer bytes than bf16
+d-wide message, and the message's gradient, through the wire's codec at rank d: with INT5 3.04x fewer bytes than bf16
 at d = 512).
 Results are resumable (``--json``); the report gives each variant's mean validation
 loss and the paired 95% interval of its difference to the first variant over the seeds (with ``+leakN``, beside
@@ -262,9 +262,9 @@ class Variant:
         return compression_ratio(hidden_size, self.rank(hidden_size), self.wire_codec(hidden_size), 2)
 
     def run_average_ratio(self, hidden_size: int, steps: int) -> float:
-        """bf16 bytes of h over the boundary's bytes summed over a run of ``steps``: ``+leakN``'s warm-up sends h
-        at ratio W (1, or with ``+wleakN`` the wire codec's at rank d: 3.05 for INT5 at d = 512) for its share f = N / steps, the wire's ratio R after it:
-        1 / (f / W + (1 - f) / R)."""
+        """bf16 bytes of h over the boundary's bytes summed over a run of ``steps``: the warm-up sends h at ratio W
+        (``+leakN``: 1; ``+wleakN``: the wire codec's at rank d, 3.04 for INT5 at d = 512) for its share f = N / steps,
+        the wire's ratio R after it: 1 / (f / W + (1 - f) / R)."""
         if self.mode in ("none", "tables"):
             return 1.0
         share = min(self.leak_steps, steps) / steps

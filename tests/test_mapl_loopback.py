@@ -80,7 +80,7 @@ def test_the_leak_warm_up_starts_as_the_stock_model_and_fades_into_the_bottlenec
     assert runs["8x+leak3"]["parameters"] == runs["8x"]["parameters"]
     stock, rounded = runs["none"]["train"][0], runs["8x+int5+wleak3"]["train"][0]
     assert rounded != stock and abs(rounded - stock) < 1e-3 * stock, (rounded, stock)
-    # the bytes over a run of 1500 steps, d = 512: h whole (1x) or in 5 bits (1024 / 336 bytes per token) for 750
+    # the bytes over a run of 1500 steps, d = 512: h whole (1x) or in 5 bits (1024 / 337 bytes per token) for 750
     # steps, then the 5-bit wire at rank 192 (8.06x)
     ratios = [_parse(v).run_average_ratio(512, 1500) for v in ("8x+int5", "8x+int5+leak750", "8x+int5+wleak750")]
     assert [round(r, 2) for r in ratios] == [8.06, 1.78, 4.41]

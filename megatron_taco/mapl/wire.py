@@ -112,8 +112,9 @@ def round_trip(codec: Optional[MaplWireCodec], x: torch.Tensor) -> torch.Tensor:
 
 def warm_up_wire_codec(cfg: MaplConfig, hidden_size: int) -> Optional[MaplWireCodec]:
     """The codec of ``--mapl-warmup-steps``' d-wide messages: the FP8 / INT5 wire's at rank d (INT5 at d = 512:
-    3.05x fewer bytes than bf16, and the loss of a warm-up in bf16: benchmarks/results/mapl_loopback.md); None (the
-    pipeline dtype) for the other wires (``MaplConfig.warm_up_wire_name``)."""
+    3.04x fewer bytes than bf16; on the CPU model the same loss as a warm-up in bf16,
+    benchmarks/results/mapl_loopback.md); None (the pipeline dtype) for the other wires
+    (``MaplConfig.warm_up_wire_name``)."""
     if cfg.wire not in ("fp8", "int5") or not cfg.warmup_steps:
         return None
     if hidden_size % 16:
