@@ -249,6 +249,22 @@ MUTATIONS = [  # (what, file, text, replaced by, tests, -k) or file None: SCALE_
         "pp2_with_mapl",
     ),
     (
+        "MAPL warm-up with --mapl-ranks: d-wide messages still exchange shapes",
+        "megatron_taco/mapl/stage.py",
+        "    return (not cfg.uniform and not warming) or",
+        "    return (not cfg.uniform) or",
+        "tests/test_mapl.py",
+        "own_rank",
+    ),
+    (
+        "MAPL warm-up on the INT5 wire sent in the pipeline dtype",
+        "megatron_taco/mapl/stage.py",
+        "    codec = warm_up_wire_codec(cfg, width) if warming else wire_codec(cfg, widths[0])",
+        "    codec = None if warming else wire_codec(cfg, widths[0])",
+        "tests/test_megatron_lm_mapl.py",
+        "warm_up_on_the_int5",
+    ),
+    (
         "--data checked only when read",
         "megatron_taco/training/cli.py",
         '    if args.data != "synthetic":\n',
@@ -269,7 +285,7 @@ MUTATIONS = [  # (what, file, text, replaced by, tests, -k) or file None: SCALE_
         "megatron_taco/mapl/wire.py",
         '__all__ = [\n    "CodecWireCommunicator",\n    "IndexWireCommunicator",\n    "WireRoundTrip",\n'
         '    "compression_ratio",\n    "describe_compression",\n    "fp8_wire_codec",\n    "round_trip",\n'
-        '    "wire_codec",\n]\n',
+        '    "warm_up_wire_codec",\n    "wire_codec",\n]\n',
         "",
         "tests/test_style.py",
         "",
