@@ -44,7 +44,7 @@ d-wide message, and the message's gradient, through the wire's codec at rank d: 
 at d = 512).
 Results are resumable (``--json``); the report gives each variant's mean validation
 loss and the paired 95% interval of its difference to the first variant over the seeds (with ``+leakN``, beside
-the wire's ratio, the run-average one: the warm-up's steps send h whole). ``--report-only`` rewrites the report
+the wire's ratio, the run-average one: the warm-up's steps send h whole, with ``+wleakN`` on the wire). ``--report-only`` rewrites the report
 from the json and trains nothing; ``--plot PNG`` draws each variant's loss over its run-average ratio.
 
 ``--pipeline-parallel 2`` trains ``none`` and ``R x`` as real PP=2 runs instead (two ranks each: megatron-core's

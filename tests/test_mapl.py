@@ -2,12 +2,13 @@
 
 import argparse
 import dataclasses
+import math
 import pytest
 import torch
 
 from megatron_taco.config.mapl import MaplConfig, MaplConfigError, add_mapl_args, auto_wire, mapl_config_from_args
 from megatron_taco.codec.narrow_int import NarrowIntCodec
-from megatron_taco.mapl.wire import describe_compression, fp8_wire_codec
+from megatron_taco.mapl.wire import describe_compression, fp8_wire_codec, warm_up_wire_codec
 from megatron_taco.mapl.boundary import BoundaryCodec
 from megatron_taco.mapl.stiefel import (
     StiefelAdam,
@@ -17,6 +18,7 @@ from megatron_taco.mapl.stiefel import (
     retract_qr,
     tangent_project,
 )
+from megatron_taco.mapl.telemetry import MAPL_TELEMETRY
 from megatron_taco.mapl.vq import ResidualVQ
 from megatron_taco.testing.distributed import run_distributed
 from megatron_taco.testing.models import TINY_GPT
@@ -555,29 +557,34 @@ def _train_pp4_per_boundary_ranks(steps, warmup_steps):
     mapl = MaplConfig(ranks=(32, 16, 8), anchor_rank=16, warmup_steps=warmup_steps)
     trainer = Trainer(TrainConfig(TINY_GPT, pipeline_parallel=4, lr=3e-3, mapl=mapl))
     data = synthetic_batches(TINY_GPT.vocab_size, TINY_GPT.seq_length, 2, seed=1)
-    losses, widths, shape_messages = [], [], []
+    losses, widths, shape_messages, counted = [], [], [], []
     for _ in range(steps):
+        MAPL_TELEMETRY.reset()
         with recording_p2p() as recorded:
             losses.append(trainer.train_step(data)["loss"])
         widths.append({shape[-1] for _, _, shape in recorded if len(shape) == 3})
         shape_messages.append(sum(dtype == torch.int64 and shape == (3,) for _, dtype, shape in recorded))
+        sent = sum(math.prod(shape) * dtype.itemsize for op, dtype, shape in recorded if op == "isend")
+        counted.append((sum(r.wire for r in MAPL_TELEMETRY.records.values()), sent))
     projections = {b.boundary: b.projection.detach().clone() for b in trainer.mapl_boundaries}
     trainer.close()
-    return losses, projections, widths, shape_messages
+    return losses, projections, widths, shape_messages, counted
 
 
 def test_each_boundary_can_have_its_own_rank_after_a_warm_up_that_sends_d_wide_without_shapes():
     """--mapl-ranks 32,16,8 with --mapl-warmup-steps 2 of 10 on PP=4: steps 0-1 send d wide, all one shape, so
-    megatron-core sends no shape messages; from step 2 each boundary its own width, each message after its shape."""
+    megatron-core sends no shape messages; from step 2 each boundary its own width, each message after its shape.
+    MAPL's telemetry counts each step's bytes as the P2P sends them, shape messages included."""
     results = run_distributed(_train_pp4_per_boundary_ranks, 4, 10, 2, timeout=300)
     expected = {0: 32, 1: 16, 2: 8}
-    for stage, (losses, projections, widths, shape_messages) in enumerate(results):
+    for stage, (losses, projections, widths, shape_messages, counted) in enumerate(results):
         assert {b: u.shape[1] for b, u in projections.items()} == {
             b: r for b, r in expected.items() if b in (stage - 1, stage)
         }
         assert widths[:2] == [{TINY_GPT.hidden_size}] * 2 and shape_messages[:2] == [0, 0], (stage, widths)
         assert all(w == {expected[b] for b in projections} for w in widths[2:]), (stage, widths)
         assert all(n > 0 for n in shape_messages[2:]), (stage, shape_messages)
+        assert all(telemetry == sent > 0 for telemetry, sent in counted), (stage, counted)  # shapes counted or not
     for b in expected:
         assert torch.equal(results[b][1][b], results[b + 1][1][b])
     assert results[0][0][-1] < results[0][0][0]
@@ -741,6 +748,20 @@ def test_a_run_that_ends_inside_the_warm_up_says_so_at_start_up():
     """--train-iters <= --mapl-warmup-steps never compresses: the start-up line says so (not an error: a run that a
     later one resumes with more iterations may stop inside the warm-up on purpose)."""
     cfg = _parse(["--mapl-ratio", "4", "--mapl-warmup-steps", "20"])
-    assert cfg.describe_warmup(20).endswith("; --train-iters 20 ends inside the warm-up: this run never compresses")
-    assert "ends inside" not in cfg.describe_warmup(21) and "ends inside" not in cfg.describe_warmup(None)
-    assert _parse(["--mapl-ratio", "4"]).describe_warmup(5) == ""
+    assert cfg.describe_warmup(20, 64).endswith("; --train-iters 20 ends inside the warm-up: this run never compresses")
+    assert "ends inside" not in cfg.describe_warmup(21, 64) and "ends inside" not in cfg.describe_warmup(None, 64)
+    assert _parse(["--mapl-ratio", "4"]).describe_warmup(5, 64) == ""
+
+
+def test_the_warm_up_goes_on_the_codec_wire_where_d_fits_its_groups():
+    """The FP8 / INT5 wire carries the warm-up's d-wide messages in its codec at rank d; a hidden size not in groups
+    of 16 (--mapl-wire auto may pick INT5 there) and the other wires send them in the pipeline dtype, as the start-up
+    line says."""
+    int5 = _parse(["--mapl-ratio", "8", "--mapl-wire", "int5", "--mapl-warmup-steps", "4"])
+    assert isinstance(warm_up_wire_codec(int5, 512), NarrowIntCodec)
+    assert "d wide on the INT5 wire," in int5.describe_warmup(8, 512)
+    assert warm_up_wire_codec(int5, 100) is None
+    assert "in the pipeline dtype (hidden size 100: not in groups of 16" in int5.describe_warmup(8, 100)
+    bf16 = _parse(["--mapl-ratio", "8", "--mapl-wire", "bf16", "--mapl-warmup-steps", "4"])
+    assert warm_up_wire_codec(bf16, 512) is None and "d wide in the pipeline dtype," in bf16.describe_warmup(8, 512)
+    assert warm_up_wire_codec(_parse(["--mapl-ratio", "8", "--mapl-wire", "int5"]), 512) is None  # no warm-up

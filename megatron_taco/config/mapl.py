@@ -97,7 +97,7 @@ class MaplConfig:
                 "--mapl-fixed-projection): the context tables share their basis"
             )
 
-    def describe_warmup(self, train_iters: Optional[int] = None) -> str:
+    def describe_warmup(self, train_iters: Optional[int], hidden_size: int) -> str:
         """``--mapl-warmup-steps`` for the start-up lines ("" when off); says so when a run of ``train_iters``
         iterations ends inside it (a run that a later one resumes with more may do that on purpose)."""
         if not self.warmup_steps:
@@ -109,14 +109,22 @@ class MaplConfig:
         )
         return (
             f"; warm-up: the first {self.warmup_steps} iterations send h_rec + alpha (h - h_rec) d wide "
-            f"{self.warm_up_wire_name}, alpha 1 -> 0 (--mapl-warmup-steps {self.warmup_steps}){inside}"
+            f"{self.warm_up_wire_name(hidden_size)}, alpha 1 -> 0 (--mapl-warmup-steps {self.warmup_steps}){inside}"
         )
 
-    @property
-    def warm_up_wire_name(self) -> str:
-        """How the warm-up's d-wide messages travel: on the boundary's FP8 / INT5 wire (its codec at rank d), else
-        (bf16, top-k, whose k would drop most of h, and VQ's index wire) in the pipeline dtype."""
-        return f"on the {self.wire.upper()} wire" if self.wire in ("fp8", "int5") else "in the pipeline dtype"
+    def warm_up_on_wire(self, hidden_size: int) -> bool:
+        """Whether the warm-up's d-wide messages go on the boundary's FP8 / INT5 wire (its codec at rank d, which
+        needs d in groups of 16); else (bf16, top-k, whose k would drop most of h, VQ's index wire) they go in the
+        pipeline dtype."""
+        return self.wire in ("fp8", "int5") and hidden_size % WIRE_GROUP == 0
+
+    def warm_up_wire_name(self, hidden_size: int) -> str:
+        """How the warm-up's d-wide messages travel, for the start-up line."""
+        if self.warm_up_on_wire(hidden_size):
+            return f"on the {self.wire.upper()} wire"
+        if self.wire in ("fp8", "int5"):
+            return f"in the pipeline dtype (hidden size {hidden_size}: not in groups of {WIRE_GROUP}, the {self.wire.upper()} codec's)"
+        return "in the pipeline dtype"
 
     @property
     def uniform(self) -> bool:

@@ -161,7 +161,7 @@ def attach(model: Any) -> Optional[str]:
                 f"({describe_compression(codec.hidden_size, codec.rank, codec.wire, dtype.itemsize)}{vq})"
             )
     return "; ".join(parts + ([cfg.wire_choice] if cfg.wire_choice else [])) + cfg.describe_warmup(
-        get_args().train_iters
+        get_args().train_iters, model.config.hidden_size
     )
 
 

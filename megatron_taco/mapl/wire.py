@@ -113,21 +113,14 @@ def round_trip(codec: Optional[MaplWireCodec], x: torch.Tensor) -> torch.Tensor:
 def warm_up_wire_codec(cfg: MaplConfig, hidden_size: int) -> Optional[MaplWireCodec]:
     """The codec of ``--mapl-warmup-steps``' d-wide messages: the FP8 / INT5 wire's at rank d (INT5 at d = 512:
     3.04x fewer bytes than bf16; on the CPU model the same loss as a warm-up in bf16,
-    benchmarks/results/mapl_loopback.md); None (the pipeline dtype) for the other wires
-    (``MaplConfig.warm_up_wire_name``)."""
-    if cfg.wire not in ("fp8", "int5") or not cfg.warmup_steps:
-        return None
-    if hidden_size % 16:
-        raise MaplConfigError(
-            f"--mapl-warmup-steps with --mapl-wire {cfg.wire} sends the warm-up d wide on that wire: the hidden "
-            f"size {hidden_size} must be a multiple of 16 (codec groups)"
-        )
-    return wire_codec(cfg, hidden_size)
+    benchmarks/results/mapl_loopback.md); None (the pipeline dtype) for the other wires and hidden sizes not in
+    groups of 16 (``MaplConfig.warm_up_on_wire``)."""
+    return wire_codec(cfg, hidden_size) if cfg.warmup_steps and cfg.warm_up_on_wire(hidden_size) else None
 
 
 class WireRoundTrip(torch.autograd.Function):
     """z -> :func:`round_trip` (z) forward, g -> :func:`round_trip` (g) backward with ``grad_codec``: what the
-    r-wide P2P messages of a compressed wire deliver in both directions, on one rank (``--mapl-warmup-steps``'s
+    P2P messages of a compressed wire deliver in both directions, on one rank (``--mapl-warmup-steps``'s
     sender; the loopback study)."""
 
     @staticmethod
@@ -141,8 +134,9 @@ class WireRoundTrip(torch.autograd.Function):
 
 
 class CodecWireCommunicator(P2PCommunicator):
-    """Sends every r-wide P2P tensor (z forward, dL/dz backward) as one codec message, padded to whole elements
-    of the pipeline dtype; decodes what arrives to r wide. Both sides know r, so the shapes of megatron-core's
+    """Sends every r-wide P2P tensor (z forward, dL/dz backward; during ``--mapl-warmup-steps`` a second one with r =
+    d: the warm-up's message and its gradient) as one codec message, padded to whole elements of the pipeline dtype;
+    decodes what arrives to r wide. Both sides know r, so the shapes of megatron-core's
     variable-shape mode are answered locally (no extra messages). Received messages are decoded on arrival,
     so this communicator waits on its P2P requests (megatron-core's default outside interleaved overlap)."""
 

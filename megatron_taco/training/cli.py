@@ -597,7 +597,7 @@ def _train(args: argparse.Namespace) -> List[float]:
                 else ""
             )
             + (f"; {args.mapl.wire_choice}" if args.mapl.wire_choice else "")
-            + args.mapl.describe_warmup(args.train_iters)
+            + args.mapl.describe_warmup(args.train_iters, trainer.cfg.shape.hidden_size)
         )
     try:  # a --data source or a --load checkpoint this run cannot use: the message names the flag
         # one identical stream per model chunk (the interleaved schedule reads each chunk's own)
