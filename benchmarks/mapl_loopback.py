@@ -254,6 +254,12 @@ class Variant:
         rank d, as ``--mapl-warmup-steps`` sends them (None: as they are, ``+leakN``)."""
         return warm_up_wire_codec(self.mapl_config(hidden_size), hidden_size) if self.leak_on_wire else None
 
+    def leak_round_trip(self, hidden_size: int):
+        """What the warm-up's d-wide message and its gradient come out as after the wire (a function of the message;
+        None: as it is, ``+leakN``)."""
+        codec = self.leak_codec(hidden_size)
+        return None if codec is None else (lambda message: WireRoundTrip.apply(message, codec, codec))
+
     def wire_ratio(self, hidden_size: int) -> float:
         """bf16 bytes of h over the wire bytes of z, per token (scales included, the message header not; forward:
         "int4fwd" sends twice these bytes backward, VQ's dL/dz returns r-wide in bf16)."""
@@ -402,8 +408,7 @@ def _loopback_trainer(cfg, variant: Variant):
             if codec.vq is not None:  # z_q forward, dL/dz_q as dL/dz back (straight-through), as MaplStage sends them
                 wire = functools.partial(codec.quantize, wire_dtype=torch.bfloat16)
             layer = shape.num_layers // 2
-            leak_codec = variant.leak_codec(shape.hidden_size)
-            leak_wire = None if leak_codec is None else (lambda m: WireRoundTrip.apply(m, leak_codec, leak_codec))
+            leak_wire = variant.leak_round_trip(shape.hidden_size)
             state["boundary"] = LoopbackBoundary(model, codec, layer, variant.mode, wire, variant.leak_steps, leak_wire)
         return model
 

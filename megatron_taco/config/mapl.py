@@ -112,19 +112,25 @@ class MaplConfig:
             f"{self.warm_up_wire_name(hidden_size)}, alpha 1 -> 0 (--mapl-warmup-steps {self.warmup_steps}){inside}"
         )
 
+    @property
+    def codec_wire(self) -> bool:
+        """Whether the boundary's messages go through a per-group codec (``--mapl-wire fp8`` / ``int5``), whose groups
+        of 16 values the widths it carries must fill."""
+        return self.wire in ("fp8", "int5")
+
     def warm_up_on_wire(self, hidden_size: int) -> bool:
         """Whether the warm-up's d-wide messages go on the boundary's FP8 / INT5 wire (its codec at rank d, which
         needs d in groups of 16); else (bf16, top-k, whose k would drop most of h, VQ's index wire) they go in the
         pipeline dtype."""
-        return self.wire in ("fp8", "int5") and hidden_size % WIRE_GROUP == 0
+        return self.codec_wire and hidden_size % WIRE_GROUP == 0
 
     def warm_up_wire_name(self, hidden_size: int) -> str:
         """How the warm-up's d-wide messages travel, for the start-up line."""
-        if self.warm_up_on_wire(hidden_size):
-            return f"on the {self.wire.upper()} wire"
-        if self.wire in ("fp8", "int5"):
+        if not self.codec_wire:
+            return "in the pipeline dtype"
+        if not self.warm_up_on_wire(hidden_size):
             return f"in the pipeline dtype (hidden size {hidden_size}: not in groups of {WIRE_GROUP}, the {self.wire.upper()} codec's)"
-        return "in the pipeline dtype"
+        return f"on the {self.wire.upper()} wire"
 
     @property
     def uniform(self) -> bool:
@@ -147,7 +153,7 @@ class MaplConfig:
         """r of ``boundary`` for a model of hidden size d, checked against it (and, with the FP8 wire, against the
         codec's groups of 16 to 128 values; with the INT5 wire, of 16 or 32)."""
         r = self._width(hidden_size, boundary)
-        if self.wire in ("fp8", "int5") and r % WIRE_GROUP:
+        if self.codec_wire and r % WIRE_GROUP:
             given = "--mapl-rank" if self.rank is not None else "--mapl-ratio"
             raise MaplConfigError(
                 f"--mapl-wire {self.wire} with {given}: the wire rank {r} (hidden size {hidden_size}) must be a "

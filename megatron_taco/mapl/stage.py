@@ -685,14 +685,15 @@ def schedule_inputs(
     widths = cfg.wire_ranks(config.hidden_size, pp, config.virtual_pipeline_model_parallel_size)
     width = config.hidden_size if warming else max(widths)
     views = [ScheduleView(m, width, variable_shapes=_variable_shapes(cfg, config, warming)) for m in models]
-    codec = warm_up_wire_codec(cfg, width) if warming else wire_codec(cfg, widths[0])
-    if codec is not None:  # one per run and width: its codec caches headers, and it checks the first message's settings
+    if cfg.warm_up_on_wire(width) if warming else cfg.wire != "bf16":
         group = parallel_state.get_pipeline_model_parallel_group()
         key = (cfg, id(group), config.pipeline_dtype, width)
-        if key not in _WIRE_COMMUNICATORS:
+        if key not in _WIRE_COMMUNICATORS:  # one per run and width: its codec caches headers, checks the first settings
+            codec = warm_up_wire_codec(cfg, width) if warming else wire_codec(cfg, widths[0])
             _WIRE_COMMUNICATORS[key] = CodecWireCommunicator(group, views[0].config, codec)
-        communicator = _WIRE_COMMUNICATORS[key]
-        return views, dict(p2p_communicator=communicator, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+        return views, dict(
+            p2p_communicator=_WIRE_COMMUNICATORS[key], pg_collection=ProcessGroupCollection.use_mpu_process_groups()
+        )
     if warming:
         return views, {}
     if not cfg.vq_levels:

@@ -85,7 +85,7 @@ def _before_auto_hint(cfg: TrainConfig) -> str:
     """For a checkpoint that predates the MAPL record whose MAPL tensors do not fit: the likely cause when this
     run's default wire chose a codec wire (FP8 on 2026-12-06, INT5 from 2026-12-07: two or three times the rank the
     bf16 wire had at the same --mapl-ratio)."""
-    if cfg.mapl is None or cfg.mapl.wire not in ("fp8", "int5") or not cfg.mapl.wire_choice:
+    if cfg.mapl is None or not cfg.mapl.codec_wire or not cfg.mapl.wire_choice:
         return ""
     return (
         f"; this run's MAPL boundaries have {_mapl_widths(cfg)} ({cfg.mapl.wire_choice}): a --mapl-ratio "
