@@ -764,4 +764,5 @@ def test_the_warm_up_goes_on_the_codec_wire_where_d_fits_its_groups():
     assert "in the pipeline dtype (hidden size 100: not in groups of 16" in int5.describe_warmup(8, 100)
     bf16 = _parse(["--mapl-ratio", "8", "--mapl-wire", "bf16", "--mapl-warmup-steps", "4"])
     assert warm_up_wire_codec(bf16, 512) is None and "d wide in the pipeline dtype," in bf16.describe_warmup(8, 512)
-    assert warm_up_wire_codec(_parse(["--mapl-ratio", "8", "--mapl-wire", "int5"]), 512) is None  # no warm-up
+    no_warm_up = _parse(["--mapl-ratio", "8", "--mapl-wire", "int5"])
+    assert warm_up_wire_codec(no_warm_up, 512) is None and not no_warm_up.warm_up_on_wire(512)

@@ -119,18 +119,18 @@ class MaplConfig:
         return self.wire in ("fp8", "int5")
 
     def warm_up_on_wire(self, hidden_size: int) -> bool:
-        """Whether the warm-up's d-wide messages go on the boundary's FP8 / INT5 wire (its codec at rank d, which
-        needs d in groups of 16); else (bf16, top-k, whose k would drop most of h, VQ's index wire) they go in the
-        pipeline dtype."""
-        return self.codec_wire and hidden_size % WIRE_GROUP == 0
+        """Whether there is a warm-up and its d-wide messages go on the boundary's FP8 / INT5 wire (its codec at rank
+        d, which needs d in groups of 16); else (bf16, top-k, whose k would drop most of h, VQ's index wire) they go
+        in the pipeline dtype."""
+        return bool(self.warmup_steps) and self.codec_wire and hidden_size % WIRE_GROUP == 0
 
     def warm_up_wire_name(self, hidden_size: int) -> str:
         """How the warm-up's d-wide messages travel, for the start-up line."""
-        if not self.codec_wire:
-            return "in the pipeline dtype"
-        if not self.warm_up_on_wire(hidden_size):
+        if self.warm_up_on_wire(hidden_size):
+            return f"on the {self.wire.upper()} wire"
+        if self.codec_wire and hidden_size % WIRE_GROUP:
             return f"in the pipeline dtype (hidden size {hidden_size}: not in groups of {WIRE_GROUP}, the {self.wire.upper()} codec's)"
-        return f"on the {self.wire.upper()} wire"
+        return "in the pipeline dtype"
 
     @property
     def uniform(self) -> bool:

@@ -113,9 +113,9 @@ def round_trip(codec: Optional[MaplWireCodec], x: torch.Tensor) -> torch.Tensor:
 def warm_up_wire_codec(cfg: MaplConfig, hidden_size: int) -> Optional[MaplWireCodec]:
     """The codec of ``--mapl-warmup-steps``' d-wide messages: the FP8 / INT5 wire's at rank d (INT5 at d = 512:
     3.04x fewer bytes than bf16; on the CPU model the same loss as a warm-up in bf16, on the GPU model +0.38 points
-    [-0.14, +0.90] over half the run, benchmarks/results/mapl_loopback.md); None (the pipeline dtype) for the other wires and hidden sizes not in
-    groups of 16 (``MaplConfig.warm_up_on_wire``)."""
-    return wire_codec(cfg, hidden_size) if cfg.warmup_steps and cfg.warm_up_on_wire(hidden_size) else None
+    [-0.14, +0.90] over half the run, benchmarks/results/mapl_loopback.md); None (the pipeline dtype) without a
+    warm-up, for the other wires and for hidden sizes not in groups of 16 (``MaplConfig.warm_up_on_wire``)."""
+    return wire_codec(cfg, hidden_size) if cfg.warm_up_on_wire(hidden_size) else None
 
 
 class WireRoundTrip(torch.autograd.Function):
