@@ -259,8 +259,8 @@ MUTATIONS = [  # (what, file, text, replaced by, tests, -k) or file None: SCALE_
     (
         "MAPL warm-up on the INT5 wire sent in the pipeline dtype",
         "megatron_taco/mapl/stage.py",
-        '    if cfg.warm_up_on_wire(width) if warming else cfg.wire != "bf16":',
-        '    if not warming and cfg.wire != "bf16":',
+        "    codec = warm_up_wire_codec(cfg, width) if warming else wire_codec(cfg, widths[0])",
+        "    codec = None if warming else wire_codec(cfg, widths[0])",
         "tests/test_megatron_lm_mapl.py",
         "warm_up_on_the_int5",
     ),

@@ -685,11 +685,11 @@ def schedule_inputs(
     widths = cfg.wire_ranks(config.hidden_size, pp, config.virtual_pipeline_model_parallel_size)
     width = config.hidden_size if warming else max(widths)
     views = [ScheduleView(m, width, variable_shapes=_variable_shapes(cfg, config, warming)) for m in models]
-    if cfg.warm_up_on_wire(width) if warming else cfg.wire != "bf16":
+    codec = warm_up_wire_codec(cfg, width) if warming else wire_codec(cfg, widths[0])  # a few Python attributes
+    if codec is not None:
         group = parallel_state.get_pipeline_model_parallel_group()
         key = (cfg, id(group), config.pipeline_dtype, width)
         if key not in _WIRE_COMMUNICATORS:  # one per run and width: its codec caches headers, checks the first settings
-            codec = warm_up_wire_codec(cfg, width) if warming else wire_codec(cfg, widths[0])
             _WIRE_COMMUNICATORS[key] = CodecWireCommunicator(group, views[0].config, codec)
         return views, dict(
             p2p_communicator=_WIRE_COMMUNICATORS[key], pg_collection=ProcessGroupCollection.use_mpu_process_groups()
